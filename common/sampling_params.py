@@ -1,0 +1,160 @@
+"""Per-request sampling settings, named like vLLM's ``SamplingParams``.
+
+Validated once at the edge so the engine can trust every field; a bad value raises
+``InvalidRequestError`` naming the field and the allowed range. ``to_dict``/``from_dict`` carry it
+between processes as plain types (msgpack).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from common.errors import InvalidRequestError
+
+# Below this a temperature is treated as greedy: dividing logits by it would overflow anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `max_tokens=True` is a client bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    ``stop`` and ``stop_token_ids`` also accept a str / list and are normalized to tuples, so the
+    object stays hashable and immutable. ``top_k`` of 0 or -1 disables top-k. ``logprobs`` is the
+    number of top alternatives returned besides the chosen token (0 = chosen token only).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise InvalidRequestError(
+                f"n must be 1 (got {self.n!r}); only one sequence per request is supported", param="n"
+            )
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
+            )
+        self._check_float("temperature", lambda v: v >= 0, ">= 0")
+        self._check_float("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}", param="top_k"
+            )
+        self._check_float("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed must be an integer or null, got {self.seed!r}", param="seed")
+        self._check_float("repetition_penalty", lambda v: v > 0, "> 0")
+        self._check_float("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        self._check_float("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                param="logprobs",
+            )
+        object.__setattr__(self, "stop", _normalize_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", param=name)
+
+    def _check_float(self, name: str, ok: Callable[[float], bool], allowed: str) -> None:
+        value = getattr(self, name)
+        if not _is_number(value) or not ok(value):
+            raise InvalidRequestError(f"{name} must be a number {allowed}, got {value!r}", param=name)
+        # Store floats so the dict form (and equality after a round trip) does not depend on 1 vs 1.0.
+        object.__setattr__(self, name, float(value))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (tuples become lists) so msgpack/json round-trip it unchanged."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise InvalidRequestError(f"unknown sampling parameter {key!r}", param=key)
+        return cls(**data)
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...]:
+    # OpenAI clients send `stop: null` for "no stop strings"; accept it like an empty list.
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        items: tuple[object, ...] = (stop,)
+    elif isinstance(stop, (list, tuple)):
+        items = tuple(stop)
+    else:
+        raise InvalidRequestError(
+            f"unknown stop type {type(stop).__name__}: stop must be a string or a list of strings",
+            param="stop",
+        )
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {item!r}", param="stop")
+    return items  # type: ignore[return-value]
+
+
+def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError(
+            f"stop_token_ids must be a list of integers >= 0, got {type(ids).__name__}",
+            param="stop_token_ids",
+        )
+    for token_id in ids:
+        if not _is_int(token_id) or token_id < 0:
+            raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {token_id!r}", param="stop_token_ids")
+    return tuple(ids)

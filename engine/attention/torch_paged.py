@@ -1,0 +1,114 @@
+"""Paged attention in plain torch: runs on CPU (what CI tests) and, slowly but correctly, on CUDA.
+
+Decodes are batched: every decode sequence's blocks are gathered into one padded
+[batch, max_context, heads, head_dim] tensor and masked past each sequence's length. Prefill
+chunks go one by one; a chunk starting at position 0 attends to its own keys (causal, no cache
+read, the same call transformers makes), a later chunk reads its earlier context from the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
+
+
+@dataclass
+class _Prefill:
+    token_start: int
+    num_tokens: int
+    context_len: int
+    block_table: torch.Tensor | None = None  # only when the chunk has earlier context
+    mask: torch.Tensor | None = None  # [num_tokens, context_len] True = attend
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[_Prefill] = field(default_factory=list)
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def build_metadata(self, step: StepTensors, block_size: int) -> TorchAttentionMetadata:
+        device = step.input_ids.device
+        meta = TorchAttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=step.num_decodes)
+        nd = step.num_decodes
+        if nd:
+            seq_lens = step.seq_lens[:nd]
+            max_blocks = -(-max(seq_lens) // block_size)
+            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+            lens = torch.tensor(seq_lens, device=device)
+            span = torch.arange(max_blocks * block_size, device=device)
+            meta.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+        start = nd
+        prefill_seqs = zip(step.query_lens[nd:], step.seq_lens[nd:], step.block_tables[nd:], strict=True)
+        for q_len, seq_len, table in prefill_seqs:
+            prefill = _Prefill(token_start=start, num_tokens=q_len, context_len=seq_len)
+            if seq_len > q_len:
+                num_blocks = -(-seq_len // block_size)
+                prefill.block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+                query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            meta.prefills.append(prefill)
+            start += q_len
+        return meta
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        assert isinstance(metadata, TorchAttentionMetadata)
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+        flat_keys.index_copy_(0, metadata.slot_mapping, k)
+        flat_values.index_copy_(0, metadata.slot_mapping, v)
+        out = torch.empty_like(q)
+
+        nd = metadata.num_decodes
+        if nd:
+            batch = metadata.decode_block_tables.shape[0]
+            keys = key_cache[metadata.decode_block_tables].view(batch, -1, num_kv_heads, head_dim)
+            values = value_cache[metadata.decode_block_tables].view(batch, -1, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=metadata.decode_mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[:nd] = o.squeeze(2)
+
+        for p in metadata.prefills:
+            s, n = p.token_start, p.num_tokens
+            query = q[s : s + n].transpose(0, 1)
+            if p.block_table is None:
+                o = F.scaled_dot_product_attention(
+                    query,
+                    k[s : s + n].transpose(0, 1),
+                    v[s : s + n].transpose(0, 1),
+                    is_causal=n > 1,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            else:
+                keys = key_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
+                values = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
+                o = F.scaled_dot_product_attention(
+                    query,
+                    keys.transpose(0, 1),
+                    values.transpose(0, 1),
+                    attn_mask=p.mask,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            out[s : s + n] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,96 @@
+"""The tensor-parallel group one model instance runs on, and its collectives.
+
+Two process groups over the same ranks: ``group`` carries activations (NCCL on CUDA, gloo on
+CPU), ``cpu_group`` (always gloo) carries the driver's step messages, so control never needs a
+device tensor. With one shard there are no groups and every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: torch.device) -> TensorParallel:
+        return cls(device=device)
+
+    @classmethod
+    def init(cls, rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> TensorParallel:
+        """Join the group (every rank calls this); rendezvous through a TCP store at ``init_method``."""
+        if size == 1:
+            return cls.single(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            backend=backend_for(device), init_method=init_method, rank=rank, world_size=size, timeout=timeout
+        )
+        group = dist.group.WORLD
+        cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timeout)
+        return cls(rank=rank, size=size, device=device, group=group, cpu_group=cpu_group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every shard's ``x`` along the last dim on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def all_reduce_min_cpu(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0 sends ``payload`` to every shard over the CPU group; others pass None and receive it."""
+        if self.size == 1:
+            assert payload is not None
+            return payload
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.cpu_group)
+        if self.is_driver:
+            assert payload is not None
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self.cpu_group)
+        return payload if self.is_driver and payload is not None else buffer.numpy().tobytes()
+
+    def destroy(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,35 @@
+"""Content hashes of full KV blocks, the keys of the prefix cache.
+
+A block's hash chains its parent's hash, its tokens and (first block only) the request's
+``cache_salt``: two requests share a block only when everything before it is identical, and
+tenants with different salts never share anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgpack
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
+    payload = msgpack.packb([parent or b"", list(token_ids), salt or ""], use_bin_type=True)
+    return hashlib.sha256(payload).digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    known: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, extending ``known`` (already computed)."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else None
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], salt if start == 0 else None)
+        hashes.append(parent)
+    return hashes

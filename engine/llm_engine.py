@@ -1,0 +1,230 @@
+"""One model instance: validate requests, schedule, run the step on the TP group, sample, emit.
+
+    add_request ─▶ scheduler (waiting ▶ running) ─▶ executor (all shards) ─▶ sampler (driver)
+        ─▶ scheduler.update_from_output ─▶ output processor (text, stop strings) ─▶ RequestOutput
+
+``step()`` never blocks on anything but the forward pass. Bad requests raise
+InvalidRequestError from ``add_request`` before touching the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.config import EngineConfig, EngineRole
+from common.errors import InvalidRequestError
+from common.kv_events import KVCacheEvent, PrefixCacheStats
+from common.outputs import RequestOutput, TokenLogprob
+from common.sampling_params import SamplingParams
+from engine.executor import Executor, WorkerLauncher
+from engine.kv_cache.layout import KVCacheLayout
+from engine.kv_cache.manager import KVCacheManager
+from engine.model_loader import resolve_model_dir
+from engine.output_processor import OutputProcessor
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, SamplingRequestState, make_generator
+from engine.scheduler import Scheduler
+from engine.step_input import build_step_input
+from engine.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    num_handoff: int
+    num_preemptions: int
+    kv: PrefixCacheStats
+
+
+def _generator(seed: int | None):
+    return make_generator(seed) if seed is not None else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, launcher: WorkerLauncher | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = resolve_model_dir(config.model.model, config.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.executor = Executor(config, self.model_dir, launcher)
+        runner = self.executor.driver
+        self.layout: KVCacheLayout = runner.layout
+        self.vocab_size = runner.shape.vocab_size
+        self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, config.cache.enable_prefix_caching)
+        # A lone request must always fit, or preemption could loop forever.
+        self.max_model_len = min(runner.max_model_len, self.kv.capacity_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.num_preemptions = 0
+        self._finished_outside_step: list[RequestOutput] = []
+
+    @property
+    def kv_caches(self):
+        """The driver shard's per-layer KV tensors (layout: engine.kv_cache.layout)."""
+        return self.executor.driver.kv_caches
+
+    # --- intake ----------------------------------------------------------------------------
+    def _new_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None, cache_salt: str | None
+    ) -> tuple[Request, str | None]:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        if request_id in self.outputs.states or request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            text, token_ids = None, list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but this model's context is {self.max_model_len} "
+                "tokens (the prompt plus at least one generated token must fit); shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+        return request, text
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        request, text = self._new_request(request_id, prompt, params, cache_salt)
+        self.outputs.add(request, text, _generator(request.sampling_params.seed))
+        self.scheduler.add_request(request)
+
+    # --- the decode role's hand-off --------------------------------------------------------
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int] | None:
+        """Decode role: hold blocks for a prompt whose KV will be pushed in. None when they do not fit now."""
+        request, _ = self._new_request(request_id, prompt_token_ids, params, cache_salt)
+        block_ids = self.scheduler.reserve(request)
+        if block_ids is not None:
+            self.outputs.add(request, None, _generator(request.sampling_params.seed))
+        return block_ids
+
+    def kv_ready(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
+        """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``."""
+        self.outputs.record_logprob(request_id, first_logprob)
+        request = self.scheduler.kv_ready(request_id, first_token_id)
+        if request.is_finished:
+            self._finished_outside_step.append(
+                self.outputs.build(request_id, *self.outputs.append_tokens(request_id)[:2])
+            )
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV hand-off is over (acknowledged or abandoned); free the source blocks."""
+        self.scheduler.release(request_id)
+
+    def abort_request(self, request_id: str, error: str | None = None) -> None:
+        status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        request = self.scheduler.finish_request(request_id, status, error)
+        if request is not None and request_id in self.outputs.states:
+            self._finished_outside_step.append(self.outputs.build(request_id))
+
+    # --- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        results, self._finished_outside_step = self._finished_outside_step, []
+        scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted_request_ids)
+        if scheduled.is_empty:
+            return results
+        now = time.monotonic()
+        self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
+        step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
+        logits = self.executor.execute(step_input)
+        sampled: dict[str, int] = {}
+        if sampled_ids:
+            assert logits is not None
+            rows = []
+            for request_id in sampled_ids:
+                state = self.outputs.states[request_id]
+                request = state.request
+                rows.append(
+                    SamplingRequestState(
+                        request.sampling_params, request.prompt_token_ids, request.output_token_ids, state.generator
+                    )
+                )
+            result = self.sampler(logits, rows)
+            picks = zip(sampled_ids, result.sampled_token_ids, result.logprobs, strict=True)
+            for request_id, token_id, logprob in picks:
+                sampled[request_id] = token_id
+                if logprob is not None:
+                    self.outputs.record_logprob(
+                        request_id,
+                        TokenLogprob(
+                            logprob.sampled.token_id,
+                            logprob.sampled.logprob,
+                            tuple((lp.token_id, lp.logprob) for lp in logprob.top),
+                        ),
+                    )
+        for request in self.scheduler.update_from_output(scheduled, sampled):
+            new_ids, new_text, stop_hit = self.outputs.append_tokens(request.request_id)
+            if stop_hit is not None and not request.is_finished:
+                request.stop_reason = stop_hit
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            output = self.outputs.build(request.request_id, new_ids, new_text)
+            if request.status is RequestStatus.FINISHED_PREFILLED:
+                output.kv_block_ids = self.kv.block_ids(request.request_id)
+            results.append(output)
+        return results
+
+    # --- introspection ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._finished_outside_step)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv.pool.take_events()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_reserved=len(s.reserved),
+            num_handoff=len(s.handoff),
+            num_preemptions=self.num_preemptions,
+            kv=self.kv.pool.stats(),
+        )
+
+    def num_blocks_held(self) -> int:
+        """Blocks referenced by requests (prefix-cached free blocks not counted); 0 when idle."""
+        return self.kv.num_held_blocks()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    @property
+    def role(self) -> EngineRole:
+        return self.config.scheduler.role
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

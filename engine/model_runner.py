@@ -1,0 +1,139 @@
+"""One shard of a model instance: its weights, its KV cache, and the forward pass of a step."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.errors import ConfigError
+from engine.attention import StepTensors, get_backend
+from engine.distributed.parallel import TensorParallel
+from engine.kv_cache.layout import KVCacheLayout, bytes_per_block
+from engine.models import check_tp_degree, resolve_architecture
+from engine.models.llama import LlamaForCausalLM, LlamaShape
+from engine.step_input import StepInput
+from engine.weights import iter_safetensors, read_config
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if requested == "float16" and device.type == "cpu":
+        raise ConfigError("dtype=float16 is not supported on CPU; use float32 or bfloat16")
+    return _DTYPES[requested]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_model(config: EngineConfig, model_dir: Path) -> LlamaShape:
+    """Refuse an unsupported architecture or TP degree before any shard starts."""
+    hf_config = read_config(model_dir)
+    name = config.model.model or model_dir.name
+    resolve_architecture(hf_config, name)
+    shape = LlamaShape.from_config(hf_config)
+    tp = config.parallel.tensor_parallel_size
+    check_tp_degree(name, shape.num_heads, shape.num_kv_heads, tp)
+    if shape.intermediate_size % tp:
+        raise ConfigError(f"intermediate_size {shape.intermediate_size} of {name!r} does not split over {tp} shards")
+    return shape
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, tp: TensorParallel) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = tp.device
+        self.shape = shape = check_model(config, model_dir)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.max_model_len = min(
+            config.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
+        )
+        self.backend = get_backend("torch")
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(shape, tp, self.backend, self.dtype, self.max_model_len)
+        self.model.load_weights(iter_safetensors(model_dir))
+        self.model.eval()
+        self.layout = self._plan_kv_cache()
+        self.kv_caches = [
+            torch.zeros(self.layout.layer_shape, dtype=self.dtype, device=self.device) for _ in range(shape.num_layers)
+        ]
+
+    def _plan_kv_cache(self) -> KVCacheLayout:
+        cache = self.config.cache
+        num_kv_heads = max(1, self.shape.num_kv_heads // self.tp.size)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        per_block = bytes_per_block(
+            self.shape.num_layers, num_kv_heads, self.shape.head_dim, cache.block_size, dtype_name
+        )
+        budget = cache.kv_cache_memory
+        if isinstance(budget, float):
+            shards_here = self.tp.size if self.device.type == "cpu" else 1
+            budget = int(available_memory_bytes(self.device) * budget / shards_here)
+        num_blocks = self.tp.all_reduce_min_cpu(budget // per_block)
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_memory={cache.kv_cache_memory} leaves no room for one KV block ({per_block} bytes); raise it"
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB per shard)",
+            num_blocks,
+            cache.block_size,
+            num_blocks * per_block / 2**20,
+        )
+        return KVCacheLayout(
+            num_layers=self.shape.num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=self.shape.head_dim,
+            block_size=cache.block_size,
+            num_blocks=num_blocks,
+            dtype=dtype_name,
+            total_kv_heads=self.shape.num_kv_heads,
+            tp_size=self.tp.size,
+            tp_rank=self.tp.rank,
+        )
+
+    def _tensors(self, step: StepInput) -> StepTensors:
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return StepTensors(
+            input_ids=as_tensor(step.input_ids),
+            positions=as_tensor(step.positions),
+            slot_mapping=as_tensor(step.slot_mapping),
+            num_decodes=step.num_decodes,
+            query_lens=step.query_lens,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables,
+            logits_indices=as_tensor(step.logits_indices),
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step on this shard; every shard must call it with the same input.
+
+        Returns the sampled rows' logits [rows, vocab] in float32 on the driver, None elsewhere.
+        """
+        tensors = self._tensors(step)
+        meta = self.backend.build_metadata(tensors, self.layout.block_size)
+        hidden = self.model(tensors.input_ids, tensors.positions, self.kv_caches, meta)
+        if not step.logits_indices:
+            return None
+        logits = self.model.compute_logits(hidden[tensors.logits_indices])
+        return logits.float() if logits is not None else None

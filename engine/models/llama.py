@@ -1,0 +1,180 @@
+"""The Llama family (Llama, Mistral, Qwen2) on tensor-parallel layers.
+
+Attribute names follow Hugging Face's, so checkpoint keys map one to one, except the fused
+``qkv_proj`` (q/k/v_proj) and ``gate_up_proj`` (gate/up_proj) handled in ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.distributed.parallel import TensorParallel
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.weights import TensorSource
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The numbers of a Llama-family config that the layers need, read once from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    rope: dict
+
+    @classmethod
+    def from_config(cls, config: dict) -> LlamaShape:
+        num_heads = config["num_attention_heads"]
+        model_type = config.get("model_type", "llama")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            rope=rope_parameters(config),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads, shape.qkv_bias, tp, dtype
+        )
+        self.o_proj = RowParallelLinear(shape.num_heads * shape.head_dim, shape.hidden_size, False, tp, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.scale = shape.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, rotary: RotaryEmbedding):
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        return self.o_proj(out.view(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        size = shape.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, [size, size], shape.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(size, shape.hidden_size, shape.mlp_bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(shape, tp, backend, dtype)
+        self.mlp = LlamaMLP(shape, tp, dtype)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, kv_cache, meta, rotary):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, shape, tp, backend, dtype, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, tp, backend, dtype) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(shape.head_dim, max_positions, shape.rope, dtype)
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
+        return self.norm(hidden)
+
+
+_STACKED = {  # checkpoint name part -> (fused module name part, shard id)
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def _load_whole(param: nn.Parameter, source: TensorSource, shard_id: object = None) -> None:
+    param.data.copy_(source.full())
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype: torch.dtype, max_positions: int
+    ):
+        super().__init__()
+        self.shape = shape
+        self.model = LlamaModel(shape, tp, backend, dtype, max_positions)
+        self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, tp, dtype)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, sources: Iterable[TensorSource]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for source in sources:
+            name = source.name
+            if "rotary_emb.inv_freq" in name or (self.shape.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            shard_id = None
+            for part, (fused, sid) in _STACKED.items():
+                if part in name:
+                    name, shard_id = name.replace(part, fused), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {source.name!r} has no place in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", _load_whole)
+            loader(param, source, shard_id)
+            loaded.add(name)
+        expected = {n for n in params if not (self.shape.tie_word_embeddings and n == "lm_head.weight")}
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,121 @@
+"""Turns sampled tokens into RequestOutputs: incremental text, stop strings, logprobs, timings.
+
+Lives on the driver only. Stop strings are found here (they need text); the scheduler is told
+to finish the request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    text: str = ""
+    num_emitted_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, request: Request, prompt: str | None, generator: torch.Generator | None) -> RequestState:
+        params = request.sampling_params
+        state = RequestState(
+            request=request,
+            prompt=prompt,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+            generator=generator,
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.states[request.request_id] = state
+        return state
+
+    def record_logprob(self, request_id: str, logprob: TokenLogprob | None) -> None:
+        state = self.states.get(request_id)
+        if state is not None and state.logprobs is not None and logprob is not None:
+            state.logprobs.append(logprob)
+
+    def mark_scheduled(self, request_ids: list[str], now: float) -> None:
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+
+    def append_tokens(self, request_id: str) -> tuple[list[int], str, str | None]:
+        """Detokenize the tokens not yet emitted. Returns (new ids, new visible text, stop string hit).
+
+        With stop strings, the last ``max_stop_len - 1`` characters are held back until the request
+        ends: a stop string completed by a later token may begin inside them, and text once
+        streamed cannot be taken back. On a hit the text is cut where the stop string says and
+        the caller finishes the request.
+        """
+        state = self.states[request_id]
+        request = state.request
+        params = request.sampling_params
+        new_ids = request.output_token_ids[state.num_emitted_tokens :]
+        state.num_emitted_tokens = request.num_output_tokens
+        if new_ids and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = time.monotonic()
+        new_text = state.detokenizer.append(new_ids) if new_ids else ""
+        if request.is_finished:
+            new_text += state.detokenizer.flush()
+        full = state.detokenizer.text
+        hit = None
+        visible = full
+        if params.stop and request.status is not RequestStatus.FINISHED_PREFILLED:
+            found = find_stop_string(full, len(new_text), params.stop, params.include_stop_str_in_output)
+            if found is not None:
+                hit, keep = found
+                visible = full[:keep]
+            elif not request.is_finished:
+                visible = full[: max(len(state.text), len(full) - (params.max_stop_len - 1))]
+        delta = visible[len(state.text) :]
+        state.text = visible
+        return new_ids, delta, hit
+
+    def build(self, request_id: str, new_ids: Sequence[int] = (), new_text: str = "") -> RequestOutput:
+        """This step's output; a finished request's state is dropped here."""
+        state = self.states[request_id]
+        request = state.request
+        finished = request.is_finished
+        if finished:
+            del self.states[request_id]
+            state.metrics.finished_time = time.monotonic()
+            state.metrics.num_preemptions = request.num_preemptions
+        completion = CompletionOutput(
+            index=0,
+            text=state.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            new_text=new_text,
+            new_token_ids=list(new_ids),
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=state.metrics,
+            error=request.error,
+        )

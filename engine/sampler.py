@@ -1,0 +1,252 @@
+"""Turn one step's logits into one token per request.
+
+Per call, in order (each stage is skipped when no row in the batch needs it):
+
+    raw logits ──► logprobs (log_softmax of the RAW logits, like vLLM's default)
+        │
+        ▼
+    penalties (repetition over prompt+output, presence/frequency over output)
+        │
+        ├──► greedy rows: argmax
+        ▼
+    / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► exponential race
+
+A row with a seed draws its noise from its own ``torch.Generator``, so its tokens do not depend on
+which other rows share the batch or in what order; unseeded rows share one draw from torch's
+global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling_params import SamplingParams
+
+_U64_MASK = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingRequestState:
+    """One row of the batch, built by the caller (the generator lives as long as the request)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob plus the ``params.logprobs`` most likely tokens, best first."""
+
+    sampled: Logprob
+    top: list[Logprob]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator; any Python int is accepted (folded into torch's unsigned 64-bit range)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & _U64_MASK)
+    return generator
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: Sequence[float],
+    presence_penalties: Sequence[float],
+    frequency_penalties: Sequence[float],
+) -> torch.Tensor:
+    """Return penalized float logits [rows, vocab]; ``logits`` itself is not modified.
+
+    Repetition (HF/vLLM): for tokens seen in prompt or output, positive logits are divided by the
+    penalty and negative ones multiplied. Then OpenAI's output-only penalties:
+    ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    output_counts = _token_counts(output_token_ids, num_rows, vocab_size, device)
+    prompt_seen = _token_counts(prompt_token_ids, num_rows, vocab_size, device) > 0
+    output_seen = output_counts > 0
+
+    rep = torch.tensor(repetition_penalties, dtype=torch.float32, device=device).unsqueeze(1)
+    rep = torch.where(prompt_seen | output_seen, rep, 1.0)
+    logits = logits.float() * torch.where(logits > 0, 1.0 / rep, rep)
+
+    freq = torch.tensor(frequency_penalties, dtype=torch.float32, device=device).unsqueeze(1)
+    presence = torch.tensor(presence_penalties, dtype=torch.float32, device=device).unsqueeze(1)
+    return logits - freq * output_counts - presence * output_seen
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], num_rows: int, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[rows, vocab] float counts, built from one padded index tensor (pad = an extra column)."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.long, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k and outside the nucleus; one sort for both.
+
+    ``top_k`` holds vocab_size for rows without top-k; ``top_p`` holds 1.0 for rows without top-p.
+    The nucleus is the smallest set of most likely tokens whose mass is >= top_p; the best token is
+    always kept.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        # Ascending order: the k-th largest sits at index vocab - k.
+        kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Cumulative mass from the least likely end: a token goes if everything up to it is <= 1 - p.
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum_probs <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k only (no full sort): ``top_k`` holds vocab_size for rows without top-k."""
+    vocab_size = logits.shape[1]
+    disabled = top_k >= vocab_size
+    max_k = int(top_k.masked_fill(disabled, 1).max().item())
+    top_values = logits.topk(max_k, dim=-1).values
+    kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = kth.masked_fill(disabled.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Stateless; the caller owns per-request state (token history, generator)."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (
+            f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
+        )
+        if not rows:
+            return SamplerOutput(sampled_token_ids=[], logprobs=[])
+        # .float() aliases float32 input; every stage below is out-of-place so the caller's tensor survives.
+        raw_logits = logits.float()
+        logits = self._penalize(raw_logits, rows)
+
+        greedy = [row.params.is_greedy for row in rows]
+        sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
+
+        sampled_ids: list[int] = sampled.tolist()
+        return SamplerOutput(sampled_token_ids=sampled_ids, logprobs=self._logprobs(raw_logits, sampled, rows))
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> torch.Tensor:
+        idx = [i for i, row in enumerate(rows) if row.params.needs_penalties]
+        if not idx:
+            return logits
+        picked = [rows[i] for i in idx]
+        penalized = apply_penalties(
+            logits[idx],
+            [row.prompt_token_ids for row in picked],
+            [row.output_token_ids for row in picked],
+            [row.params.repetition_penalty for row in picked],
+            [row.params.presence_penalty for row in picked],
+            [row.params.frequency_penalty for row in picked],
+        )
+        if len(idx) == len(rows):
+            return penalized
+        index = torch.tensor(idx, dtype=torch.long, device=logits.device)
+        return logits.index_copy(0, index, penalized)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: Sequence[SamplingRequestState], greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        vocab_size = logits.shape[1]
+        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+
+        # Greedy rows get neutral settings: their result is replaced by argmax below.
+        temps = [1.0 if g else row.params.temperature for row, g in zip(rows, greedy, strict=True)]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
+
+        ks = [
+            vocab_size if g or not 0 < row.params.top_k < vocab_size else row.params.top_k
+            for row, g in zip(rows, greedy, strict=True)
+        ]
+        ps = [1.0 if g else row.params.top_p for row, g in zip(rows, greedy, strict=True)]
+        top_k = torch.tensor(ks, dtype=torch.long, device=device) if any(k < vocab_size for k in ks) else None
+        if any(p < 1.0 for p in ps):
+            logits = apply_top_k_top_p(logits, top_k, torch.tensor(ps, dtype=torch.float32, device=device))
+        elif top_k is not None:
+            logits = apply_top_k(logits, top_k)
+
+        min_ps = [0.0 if g else row.params.min_p for row, g in zip(rows, greedy, strict=True)]
+        if any(m > 0.0 for m in min_ps):
+            logits = apply_min_p(logits, torch.tensor(min_ps, dtype=torch.float32, device=device))
+
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a sample from p (Gumbel-max in disguise),
+        # and the noise per row can come from that row's own generator.
+        noise = torch.empty_like(probs)
+        seeded = [(i, row.generator) for i, row in enumerate(rows) if row.generator is not None and not greedy[i]]
+        if len(seeded) < len(rows):
+            noise.exponential_()
+        for i, generator in seeded:
+            noise[i].exponential_(generator=generator)
+        # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        sampled = (probs / noise).argmax(dim=-1)
+
+        if greedy_ids is not None:
+            sampled = torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
+        return sampled
+
+    @staticmethod
+    def _logprobs(
+        raw_logits: torch.Tensor, sampled: torch.Tensor, rows: Sequence[SamplingRequestState]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not idx:
+            return out
+        index = torch.tensor(idx, dtype=torch.long, device=raw_logits.device)
+        logprobs = raw_logits.index_select(0, index).log_softmax(dim=-1)
+        chosen_ids = sampled.index_select(0, index)
+        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+
+        num_top = min(max(rows[i].params.logprobs or 0 for i in idx), logprobs.shape[1])
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        # One device->host copy per tensor, then plain Python.
+        chosen_list, chosen_id_list = chosen.tolist(), chosen_ids.tolist()
+        top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(idx):
+            n = rows[i].params.logprobs or 0
+            top = [Logprob(t, v) for t, v in zip(top_id_list[j][:n], top_value_list[j][:n], strict=True)]
+            out[i] = TokenLogprobs(sampled=Logprob(chosen_id_list[j], chosen_list[j]), top=top)
+        return out

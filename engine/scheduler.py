@@ -1,0 +1,241 @@
+"""Decides, each step, which tokens of which requests get computed. Pure Python, no torch.
+
+Each step has a token budget. Running requests go first, in arrival order: a request still in
+its prompt gets a chunk of at most ``prefill_chunk`` tokens, a decoding one gets its one new
+token. When blocks run out, the most recently admitted running request is preempted (its blocks
+freed, recomputed later from its tokens). Then waiting requests are admitted while budget, seats
+(``max_num_seqs``) and blocks last; admission first reuses prefix-cached blocks.
+
+Roles change admission, not the data model:
+  colocated  a request runs until a stop condition.
+  prefill    a request ends (FINISHED_PREFILLED) after its first sampled token; its blocks stay
+             held for the KV hand-off until ``release()``.
+  decode     ``reserve()`` allocates blocks for a prompt whose KV will arrive from elsewhere;
+             ``kv_ready()`` marks the prompt computed, appends the first token and queues it.
+             A plain ``add_request`` still works (local prefill fallback).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from common.config import EngineRole, SchedulerConfig
+from engine.kv_cache.block_pool import KVBlock
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes
+    start_position: int  # the request's num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table
+    samples: bool  # the chunk reaches the request's last token, so the step samples a new one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.role = config.role
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # decode role: blocks allocated, KV not yet arrived
+        self.handoff: dict[str, Request] = {}  # prefill role: finished, blocks held for the KV hand-off
+
+    # --- intake ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Decode role: hold blocks for a prompt whose KV will be pushed in; None if they do not fit."""
+        assert self.role is EngineRole.DECODE, f"reserve() needs the decode role, not {self.role.value}"
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return self.kv.block_ids(request.request_id)
+
+    def kv_ready(self, request_id: str, first_token_id: int) -> Request:
+        """Decode role: the prompt's KV has landed in the reserved blocks; queue the request to decode."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request)
+        request.append_output_token(first_token_id)
+        stop = request.check_stop(self.max_model_len)
+        if stop is not None:
+            self._finish(request, stop)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        return request
+
+    # --- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Admitting while this step preempted would only thrash the blocks just freed.
+        while (
+            not out.preempted_request_ids
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits: list[KVBlock] = []
+            num_hit_tokens = 0
+            if request.request_id not in self.kv.req_blocks:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens - num_hit_tokens,
+                budget,
+                self._chunk_limit(request, num_hit_tokens),
+            )
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            if hits:
+                request.num_computed_tokens += num_hit_tokens
+                request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by the step's result; returns the requests that got a token."""
+        updated = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_computed_blocks(request)
+            if not chunk.samples:
+                continue
+            request.append_output_token(sampled_token_ids[chunk.request_id])
+            stop = request.check_stop(self.max_model_len)
+            if stop is None and self.role is EngineRole.PREFILL:
+                stop = RequestStatus.FINISHED_PREFILLED
+            if stop is not None:
+                self.running.remove(request)
+                self._finish(request, stop)
+            updated.append(request)
+        return updated
+
+    # --- endings ---------------------------------------------------------------------------
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
+        """End a request from outside the step (stop string, abort, transfer failure); frees its blocks."""
+        assert status.is_finished and status is not RequestStatus.FINISHED_PREFILLED
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request_id in self.handoff:
+            return self.release(request_id)
+        if request.is_finished:
+            return request
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            del self.reserved[request_id]
+        else:
+            self.waiting.remove(request)
+        request.error = error
+        self._finish(request, status)
+        return request
+
+    def release(self, request_id: str) -> Request | None:
+        """Prefill role: the KV has been handed off (or abandoned); free the held blocks."""
+        request = self.handoff.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+            self.requests.pop(request_id, None)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if status is RequestStatus.FINISHED_PREFILLED:
+            self.handoff[request.request_id] = request
+            return
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _chunk_limit(self, request: Request, num_hit_tokens: int = 0) -> int:
+        in_prompt = request.num_computed_tokens + num_hit_tokens < request.num_tokens - 1
+        return self.config.prefill_chunk if in_prompt else 1 << 30
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, budget, self._chunk_limit(request))
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            samples=start + num_new == request.num_tokens,
+        )
+
+    # --- introspection ---------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.reserved)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished > 0
+
+    def iter_live(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting
+        yield from self.reserved.values()

@@ -1,0 +1,29 @@
+"""Tokenizer loading and the model's end-of-sequence ids (from generation_config and the tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(eos)
+            if eos is not None:
+                break
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

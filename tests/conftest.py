@@ -1,0 +1,139 @@
+"""Shared fixtures: the default model (converted once), a tiny random Llama, and the transformers oracle."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+# Keep each process to the cores it has; TP tests run several shards on this 2-core machine.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    from engine.model_loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_dir):
+    return load_hf(smol_dir)
+
+
+def load_hf(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding of one unpadded prompt: the correctness oracle."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def build_tiny_llama(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    *,
+    num_heads=4,
+    num_kv_heads=2,
+    seed=0,
+    tie_word_embeddings=False,
+    model_type="llama",
+    rope_scaling=None,
+) -> Path:
+    """A random-weight Llama-family model with SmolLM2's tokenizer; weights are scaled up so
+    greedy choices have clear margins (random tiny models otherwise produce near-ties)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        **({"rope_scaling": rope_scaling} if rope_scaling else {}),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(str(out_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_dir) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", smol_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_dir):
+    return load_hf(tiny_dir)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+]
+
+_PASSAGE = (
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships home. Later, towers "
+    "of stone carried lanterns, and in the nineteenth century Fresnel lenses sent beams twenty miles out "
+    "to sea. Keepers trimmed wicks, wound clockwork, and logged the weather through long winter nights. "
+    "Today most lights are automated, yet sailors still read their rhythm of flashes to know where they are. "
+)
+
+
+def long_text(num_sections: int) -> str:
+    return "".join(f"Chapter {i + 1}. {_PASSAGE}" for i in range(num_sections))
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Memoized transformers greedy outputs: (model, prompt ids, n) -> token ids."""
+    cache: dict = {}
+
+    def get(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (id(model), tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            cache[key] = hf_greedy(model, prompt_ids, max_new_tokens)
+        return cache[key]
+
+    return get

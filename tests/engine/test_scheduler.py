@@ -1,0 +1,179 @@
+"""Scheduler with a fake model: budgets, chunked prefill, seats, preemption, roles, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import EngineRole, SchedulerConfig
+from common.sampling_params import SamplingParams
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+BS = 4
+EOS = 0
+
+
+def fake_token(request_id: str, position: int) -> int:
+    return 1000 + (hash((request_id, position)) % 1000)  # never EOS
+
+
+def make(scheduler_kwargs=None, num_blocks=64, max_model_len=1024) -> Scheduler:
+    config = SchedulerConfig(**(scheduler_kwargs or {}))
+    return Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len)
+
+
+def request(request_id: str, num_prompt: int, max_tokens: int = 4, **params) -> Request:
+    prompt = [(7 * i + len(request_id)) % 500 + 1 for i in range(num_prompt)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=frozenset({EOS}))
+
+
+def run_step(s: Scheduler, tokens: dict[str, int] | None = None):
+    out = s.schedule()
+    sampled = {
+        c.request_id: (tokens or {}).get(c.request_id, fake_token(c.request_id, c.start_position))
+        for c in out.chunks
+        if c.samples
+    }
+    updated = s.update_from_output(out, sampled)
+    s.kv.check_integrity()
+    return out, updated
+
+
+def run_all(s: Scheduler, max_steps: int = 10_000) -> list:
+    steps = []
+    while s.has_unfinished_requests():
+        steps.append(run_step(s)[0])
+        assert len(steps) < max_steps, "scheduler made no progress"
+    return steps
+
+
+def test_token_budget_and_chunked_prefill():
+    s = make({"max_num_batched_tokens": 16, "max_prefill_chunk": 8})
+    s.add_request(long := request("long", 30, max_tokens=3))
+    s.add_request(short := request("short", 5, max_tokens=3))
+    steps = run_all(s)
+    assert all(step.num_batched_tokens <= 16 for step in steps)
+    long_chunks = [c for step in steps for c in step.chunks if c.request_id == "long"]
+    assert [len(c.token_ids) for c in long_chunks] == [8, 8, 8, 6, 1, 1]
+    assert [c.samples for c in long_chunks] == [False, False, False, True, True, True]
+    assert [c.start_position for c in long_chunks] == [0, 8, 16, 24, 30, 31]
+    assert long.status is RequestStatus.FINISHED_LENGTH and long.num_output_tokens == 3
+    assert short.num_output_tokens == 3
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_max_num_seqs_limits_running():
+    s = make({"max_num_seqs": 2})
+    for i in range(5):
+        s.add_request(request(f"r{i}", 3, max_tokens=5))
+    for step in run_all(s):
+        assert len(step.chunks) <= 2
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_preemption_by_recompute_finishes_everything():
+    # 12 blocks of 4 tokens; four requests that each grow to 4 + 20 tokens cannot all fit at once.
+    s = make({"max_num_batched_tokens": 64}, num_blocks=12)
+    reqs = [request(f"r{i}", 4, max_tokens=20) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    steps = run_all(s)
+    preempted = [rid for step in steps for rid in step.preempted_request_ids]
+    assert preempted, "the scenario must force preemption"
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 20 for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) == len(preempted)
+    # A preempted request recomputes its prompt and generated tokens (from its cached prefix, if any).
+    victim = preempted[0]
+    k = next(i for i, step in enumerate(steps) if victim in step.preempted_request_ids)
+    resumed = next(c for step in steps[k + 1 :] for c in step.chunks if c.request_id == victim)
+    assert len(resumed.token_ids) > 1 and resumed.start_position % BS == 0
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_single_request_larger_than_step_budget_makes_progress():
+    s = make({"max_num_batched_tokens": 4}, num_blocks=8)
+    s.add_request(r := request("r", 20, max_tokens=2))
+    run_all(s)
+    assert r.num_output_tokens == 2
+
+
+def test_eos_and_stop_token_ids():
+    s = make()
+    s.add_request(a := request("a", 3, max_tokens=10))
+    s.add_request(b := request("b", 3, max_tokens=10, stop_token_ids=[42]))
+    s.add_request(c := request("c", 3, max_tokens=10, ignore_eos=True))
+    run_step(s, {"a": EOS, "b": 42, "c": EOS})
+    assert a.status is RequestStatus.FINISHED_STOPPED and a.stop_reason is None
+    assert b.status is RequestStatus.FINISHED_STOPPED and b.stop_reason == 42
+    assert c.status is RequestStatus.RUNNING
+    s.finish_request("c", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_prefill_role_holds_blocks_until_release():
+    s = make({"role": EngineRole.PREFILL})
+    s.add_request(r := request("p", 10, max_tokens=50))
+    _out, updated = run_step(s)
+    assert updated == [r] and r.status is RequestStatus.FINISHED_PREFILLED and r.num_output_tokens == 1
+    assert s.kv.block_ids("p") and s.kv.num_held_blocks() == 3
+    assert not s.has_unfinished_requests()
+    s.release("p")
+    assert s.kv.num_held_blocks() == 0
+    assert s.release("p") is None  # idempotent
+
+
+def test_decode_role_reserve_then_kv_ready_decodes_without_prefill():
+    s = make({"role": EngineRole.DECODE}, num_blocks=8)
+    r = request("d", 10, max_tokens=4)
+    block_ids = s.reserve(r)
+    assert block_ids is not None and len(block_ids) == 3
+    assert s.schedule().is_empty  # nothing to run until the KV arrives
+    s.kv_ready("d", first_token_id=123)
+    steps = run_all(s)
+    chunks = [c for step in steps for c in step.chunks]
+    assert [(c.start_position, len(c.token_ids)) for c in chunks] == [(10, 1), (11, 1), (12, 1)]
+    assert chunks[0].token_ids == [123] and chunks[0].block_ids[:3] == block_ids
+    assert r.output_token_ids[0] == 123 and r.num_output_tokens == 4
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_decode_role_reserve_refuses_when_full_and_kv_failure_frees():
+    s = make({"role": EngineRole.DECODE}, num_blocks=4)
+    assert s.reserve(request("big", 20)) is None  # needs 5 blocks
+    assert s.kv.num_held_blocks() == 0
+    assert s.reserve(request("ok", 8)) is not None
+    s.finish_request("ok", RequestStatus.FINISHED_ERROR, error="kv transfer failed")
+    assert s.kv.num_held_blocks() == 0 and not s.has_unfinished_requests()
+
+
+def test_decode_role_first_token_can_finish_immediately():
+    s = make({"role": EngineRole.DECODE})
+    s.reserve(request("one", 5, max_tokens=1))
+    r = s.kv_ready("one", first_token_id=77)
+    assert r.status is RequestStatus.FINISHED_LENGTH and s.kv.num_held_blocks() == 0
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "mid_prefill"])
+def test_abort_frees_blocks_in_every_state(when):
+    s = make({"max_num_batched_tokens": 8, "max_prefill_chunk": 4})
+    s.add_request(r := request("x", 12, max_tokens=5))
+    if when != "waiting":
+        run_step(s)
+        if when == "running":
+            while r.num_computed_tokens < r.num_prompt_tokens:
+                run_step(s)
+    s.finish_request("x", RequestStatus.FINISHED_ABORTED)
+    assert r.status is RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_held_blocks() == 0 and not s.has_unfinished_requests()
+    s.kv.check_integrity()
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    s = make()
+    s.add_request(request("a", 12, max_tokens=1))
+    run_all(s)
+    s.add_request(b := request("b", 12, max_tokens=1))  # same prompt (same id length)
+    out = s.schedule()
+    assert out.chunks[0].start_position == 8 and len(out.chunks[0].token_ids) == 4
+    assert b.num_cached_tokens == 8
