@@ -34,3 +34,58 @@ def test_prefill_logits_match_transformers(model, smol_dir, tiny_dir, hf_smol, h
     print(f"{model}: max |logit diff| = {max_abs:.3g}")
     assert max_abs < 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "rope_scaling"),
+    [
+        ("qwen2", None),  # q/k/v biases
+        ("mistral", None),
+        ("llama", {"rope_type": "linear", "factor": 2.0}),
+        (
+            "llama",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ],
+    ids=["qwen2", "mistral", "rope-linear", "rope-llama3"],
+)
+def test_architectures_and_rope_variants_match_transformers(model_type, rope_scaling, tmp_path, smol_dir):
+    from tests.conftest import build_tiny_llama, load_hf
+
+    model_dir = build_tiny_llama(
+        tmp_path / model_type,
+        smol_dir,
+        model_type=model_type,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=model_type == "qwen2",
+    )
+    hf = load_hf(model_dir)
+    config = EngineConfig(model=ModelConfig(model=str(model_dir)), cache=CacheConfig(kv_cache_memory=8 * 2**20))
+    runner = ModelRunner(config, model_dir, TensorParallel.single(torch.device("cpu")))
+    token_ids = [(29 * i + 11) % 30000 + 50 for i in range(150)]  # past the llama3 original context of 64
+    ours = runner.execute(prefill_step(token_ids, list(range(10)), 16))
+    with torch.no_grad():
+        ref = hf(torch.tensor([token_ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_bfloat16_runs_close_to_float32(tiny_dir, hf_tiny):
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_dir), dtype="bfloat16"), cache=CacheConfig(kv_cache_memory=8 * 2**20)
+    )
+    runner = ModelRunner(config, tiny_dir, TensorParallel.single(torch.device("cpu")))
+    assert runner.layout.dtype == "bfloat16" and runner.kv_caches[0].dtype == torch.bfloat16
+    token_ids = list(range(100, 140))
+    ours = runner.execute(prefill_step(token_ids, [0, 1, 2], 16))
+    with torch.no_grad():
+        ref = hf_tiny(torch.tensor([token_ids])).logits[0]
+    # bf16 keeps ~3 significant digits: close to fp32, not equal.
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert rel < 0.05

@@ -1,0 +1,139 @@
+"""Offline output throughput: pdserve's engine vs transformers, side by side in one run.
+
+    python -m bench.offline_throughput [--num-prompts 64 --input-len 128 --output-len 128 --dtypes float32 bfloat16]
+
+For each dtype: pdserve's engine (continuous batching, paged KV), transformers' ``generate``
+with static batches of the same size, and transformers' continuous batching (``generate_batch``)
+where it runs on this device. Every system produces exactly ``output_len`` tokens per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from bench.common import exact_length_prompts, print_table, write_json
+from common.sampling_params import SamplingParams
+from engine import LLM
+
+
+def run_pdserve(model_dir, prompts, output_len, dtype, batch_size) -> float:
+    with LLM(str(model_dir), dtype=dtype, max_num_seqs=batch_size, kv_cache_memory=2 * 2**30) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def _hf_model(model_dir, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def run_hf_generate(model, prompts, output_len, batch_size) -> float:
+    # Equal-length prompts: static batches need no padding.
+    with torch.inference_mode():
+        warm = torch.tensor(prompts[:2])
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            batch = torch.tensor(prompts[i : i + batch_size])
+            out = model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+            )
+            assert out.shape[1] - batch.shape[1] == output_len
+        return time.perf_counter() - start
+
+
+def run_hf_continuous(model, prompts, output_len, batch_size) -> float:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        eos_token_id=-1,
+        max_batch_tokens=max(512, batch_size * 8),
+    )
+    with torch.inference_mode():
+        start = time.perf_counter()
+        results = model.generate_batch(prompts, generation_config=config, progress_bar=False)
+        elapsed = time.perf_counter() - start
+    lengths = {len(r.generated_tokens) for r in results.values()}
+    assert lengths == {output_len}, f"generate_batch produced {lengths} tokens, not {output_len}"
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=None, help="engine max_num_seqs and HF batch; default all")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--skip-hf-continuous", action="store_true")
+    args = parser.parse_args(argv)
+    batch_size = args.batch_size or args.num_prompts
+
+    from engine.model_loader import resolve_model_dir
+    from engine.tokenizer import load_tokenizer
+
+    model_dir = resolve_model_dir(None)
+    prompts = exact_length_prompts(load_tokenizer(model_dir), args.num_prompts, args.input_len)
+    total_out = args.num_prompts * args.output_len
+    rows = []
+    for dtype in args.dtypes:
+        timings: dict[str, float | str] = {
+            "pdserve": run_pdserve(model_dir, prompts, args.output_len, dtype, batch_size)
+        }
+        gc.collect()
+        model = _hf_model(model_dir, dtype)
+        timings["transformers generate"] = run_hf_generate(model, prompts, args.output_len, batch_size)
+        if not args.skip_hf_continuous:
+            try:
+                timings["transformers generate_batch"] = run_hf_continuous(model, prompts, args.output_len, batch_size)
+            except Exception as exc:  # report why the baseline could not run; keep the others
+                timings["transformers generate_batch"] = f"n/a: {type(exc).__name__}: {str(exc)[:80]}"
+        del model
+        gc.collect()
+        ours = total_out / float(timings["pdserve"])
+        for system, elapsed in timings.items():
+            if isinstance(elapsed, str):
+                rows.append({"dtype": dtype, "system": system, "note": elapsed})
+                continue
+            tput = total_out / elapsed
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "system": system,
+                    "seconds": elapsed,
+                    "output tok/s": tput,
+                    "pdserve / this": ours / tput,
+                }
+            )
+    print_table(
+        f"Offline throughput: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "
+        f"batch {batch_size}, {torch.get_num_threads()} threads",
+        rows,
+        ["dtype", "system", "seconds", "output tok/s", "pdserve / this", "note"],
+    )
+    payload = {"args": vars(args), "rows": rows}
+    write_json("offline_throughput", payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
