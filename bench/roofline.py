@@ -5,7 +5,9 @@
 A decode step must read every weight once plus each sequence's KV so far. This measures the
 machine's bandwidth with a large copy (bytes read + written per second), times real decode
 steps of the engine at each batch size, and reports measured time as a fraction of the bound
-(bound time / measured time; 1.0 would be a step running at full memory bandwidth).
+(bound time / measured time; 1.0 would be a step running at full memory bandwidth). It also
+reports the step against the "GEMV ceiling": this BLAS streaming every weight matrix once
+through a batch-1 product with nothing else, the most a batch-1 step can reach here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best
+
+
+def gemv_ceiling(engine: LLMEngine, repeats: int = 5) -> float:
+    """Bytes per second of this BLAS streaming every weight matrix once through a batch-1 product,
+    as a decode step does, with nothing else: the best a batch-1 step can reach here."""
+    import torch.nn.functional as F
+
+    mats = {id(p): p for p in engine.executor.driver.model.parameters() if p.dim() == 2}.values()
+    inputs = {p.shape[1]: torch.randn(1, p.shape[1], dtype=p.dtype) for p in mats}
+    total = sum(p.numel() * p.element_size() for p in mats)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for p in mats:
+                F.linear(inputs[p.shape[1]], p)
+            best = min(best, time.perf_counter() - start)
+    return total / best
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -82,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     try:
         weights = weight_bytes(engine)
+        gemv = gemv_ceiling(engine)
         kv_per_token = engine.layout.bytes_per_block // engine.layout.block_size
         prompts_all = exact_length_prompts(engine.tokenizer, max(args.batch_sizes), args.context_len)
         rows = []
@@ -98,21 +119,39 @@ def main(argv: list[str] | None = None) -> dict:
                     "MB read": bytes_read / 1e6,
                     "effective GB/s": bytes_read / step_s / 1e9,
                     "fraction of bound": bound_s / step_s,
+                    "of GEMV ceiling": (bytes_read / gemv) / step_s,
                     "tok/s": batch / step_s,
                 }
             )
     finally:
         engine.shutdown()
     print(
-        f"memory bandwidth (1 GiB copy, read+write): {bandwidth / 1e9:.1f} GB/s; weights {weights / 1e6:.0f} MB "
+        f"memory bandwidth (1 GiB copy, read+write): {bandwidth / 1e9:.1f} GB/s; batch-1 GEMV streaming every "
+        f"weight once: {gemv / 1e9:.1f} GB/s; weights {weights / 1e6:.0f} MB "
         f"({args.dtype}); KV {kv_per_token} B/token; {torch.get_num_threads()} threads"
     )
     print_table(
         "Decode step vs bandwidth bound",
         rows,
-        ["batch", "context", "step ms", "bound ms", "MB read", "effective GB/s", "fraction of bound", "tok/s"],
+        [
+            "batch",
+            "context",
+            "step ms",
+            "bound ms",
+            "MB read",
+            "effective GB/s",
+            "fraction of bound",
+            "of GEMV ceiling",
+            "tok/s",
+        ],
     )
-    payload = {"args": vars(args), "bandwidth_bytes_per_s": bandwidth, "weight_bytes": weights, "rows": rows}
+    payload = {
+        "args": vars(args),
+        "bandwidth_bytes_per_s": bandwidth,
+        "gemv_bytes_per_s": gemv,
+        "weight_bytes": weights,
+        "rows": rows,
+    }
     write_json("roofline", payload)
     return payload
 

@@ -18,7 +18,7 @@ from engine.distributed.parallel import TensorParallel
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from engine.weights import TensorSource
 
 
@@ -74,14 +74,14 @@ class LlamaAttention(nn.Module):
         self.scale = shape.head_dim**-0.5
         self.backend = backend
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, rotary: RotaryEmbedding):
+    def forward(self, hidden, kv_cache, meta: AttentionMetadata, cos_sin):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
         return self.o_proj(out.view(-1, q_size))
 
@@ -106,8 +106,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, kv_cache, meta, rotary):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, rotary)
+    def forward(self, hidden, kv_cache, meta, cos_sin):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, meta, cos_sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -121,8 +121,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
+            hidden = layer(hidden, kv_cache, meta, cos_sin)
         return self.norm(hidden)
 
 
