@@ -30,7 +30,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # [num_decodes, 1, 1, max_blocks * block_size]: True past each sequence's end, and its inverse
+    decode_padding: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
     prefills: list[_Prefill] = field(default_factory=list)
 
 
@@ -48,7 +50,8 @@ class TorchPagedAttention(AttentionBackend):
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
             lens = torch.tensor(seq_lens, device=device)
             span = torch.arange(max_blocks * block_size, device=device)
-            meta.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_padding = (span[None, :] >= lens[:, None])[:, None, None, :]
+            meta.decode_mask = ~meta.decode_padding
         start = nd
         prefill_seqs = zip(step.query_lens[nd:], step.seq_lens[nd:], step.block_tables[nd:], strict=True)
         for q_len, seq_len, table in prefill_seqs:
@@ -74,18 +77,7 @@ class TorchPagedAttention(AttentionBackend):
 
         nd = metadata.num_decodes
         if nd:
-            batch = metadata.decode_block_tables.shape[0]
-            keys = key_cache[metadata.decode_block_tables].view(batch, -1, num_kv_heads, head_dim)
-            values = value_cache[metadata.decode_block_tables].view(batch, -1, num_kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=metadata.decode_mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
 
         for p in metadata.prefills:
             s, n = p.token_start, p.num_tokens
@@ -112,3 +104,29 @@ class TorchPagedAttention(AttentionBackend):
                 )
             out[s : s + n] = o.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        """One query token per sequence against its gathered blocks.
+
+        float32 uses SDPA (what transformers runs, and it reads the strided gather without a copy).
+        Reduced precision uses two batched matmuls with a float32 softmax: CPU SDPA is slow there
+        (measured per layer at batch 64, context 256: 8.1 ms in SDPA vs 0.7 ms; engine decode step
+        450 ms -> 210 ms for SmolLM2 bf16 at batch 64).
+        """
+        batch, num_heads, head_dim = q.shape
+        kv = kv_cache[:, meta.decode_block_tables]  # [2, batch, max_blocks, block_size, kv_heads, head_dim]
+        num_kv_heads = kv.shape[-2]
+        keys = kv[0].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [batch, kv_heads, ctx, head_dim]
+        values = kv[1].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        if q.dtype == torch.float32:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            )
+            return out.squeeze(2)
+        # Query heads h * group .. h * group + group - 1 share KV head h (Hugging Face's repeat_kv order).
+        grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale
+        scores.masked_fill_(meta.decode_padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).view(batch, num_heads, head_dim)
