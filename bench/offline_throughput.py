@@ -4,13 +4,20 @@
 
 For each dtype: pdserve's engine (continuous batching, paged KV), transformers' ``generate``
 with static batches of the same size, and transformers' continuous batching (``generate_batch``)
-where it runs on this device. Every system produces exactly ``output_len`` tokens per prompt.
+where it runs on this device. Two workloads:
+
+  fixed  every prompt asks for exactly ``output_len`` tokens (static batching's best case)
+  mixed  output lengths drawn uniformly from [output_len / 8, output_len * 2] with a fixed seed;
+         a static batch runs until its longest member is done, then keeps only what each asked for
+
+Throughput counts only the tokens each request asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import random
 import time
 
 import torch
@@ -20,14 +27,21 @@ from common.sampling_params import SamplingParams
 from engine import LLM
 
 
-def run_pdserve(model_dir, prompts, output_len, dtype, batch_size) -> float:
+def output_lengths(workload: str, num_prompts: int, output_len: int) -> list[int]:
+    if workload == "fixed":
+        return [output_len] * num_prompts
+    rng = random.Random(0)
+    return [rng.randint(max(1, output_len // 8), output_len * 2) for _ in range(num_prompts)]
+
+
+def run_pdserve(model_dir, prompts, lengths, dtype, batch_size) -> float:
     with LLM(str(model_dir), dtype=dtype, max_num_seqs=batch_size, kv_cache_memory=2 * 2**30) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
     return elapsed
 
 
@@ -39,41 +53,46 @@ def _hf_model(model_dir, dtype):
     return model
 
 
-def run_hf_generate(model, prompts, output_len, batch_size) -> float:
-    # Equal-length prompts: static batches need no padding.
+def run_hf_generate(model, prompts, lengths, batch_size) -> float:
+    # Equal-length prompts: static batches need no padding. A batch runs to its longest request.
     with torch.inference_mode():
         warm = torch.tensor(prompts[:2])
         model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
             batch = torch.tensor(prompts[i : i + batch_size])
+            longest = max(lengths[i : i + batch_size])
             out = model.generate(
                 batch,
                 attention_mask=torch.ones_like(batch),
                 do_sample=False,
-                max_new_tokens=output_len,
-                min_new_tokens=output_len,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
             )
-            assert out.shape[1] - batch.shape[1] == output_len
+            assert out.shape[1] - batch.shape[1] == longest
         return time.perf_counter() - start
 
 
-def run_hf_continuous(model, prompts, output_len, batch_size) -> float:
+def run_hf_continuous(model, prompts, lengths, batch_size) -> float:
+    """transformers' continuous batching; one call per distinct length (its config is per call)."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(
-        max_new_tokens=output_len,
-        min_new_tokens=output_len,
-        do_sample=False,
-        eos_token_id=-1,
-        max_batch_tokens=max(512, batch_size * 8),
-    )
-    with torch.inference_mode():
-        start = time.perf_counter()
-        results = model.generate_batch(prompts, generation_config=config, progress_bar=False)
-        elapsed = time.perf_counter() - start
-    lengths = {len(r.generated_tokens) for r in results.values()}
-    assert lengths == {output_len}, f"generate_batch produced {lengths} tokens, not {output_len}"
+    elapsed = 0.0
+    for length in sorted(set(lengths)):
+        group = [p for p, n in zip(prompts, lengths, strict=True) if n == length]
+        config = GenerationConfig(
+            max_new_tokens=length,
+            min_new_tokens=length,
+            do_sample=False,
+            eos_token_id=-1,
+            max_batch_tokens=max(512, batch_size * 8),
+        )
+        with torch.inference_mode():
+            start = time.perf_counter()
+            results = model.generate_batch(group, generation_config=config, progress_bar=False)
+            elapsed += time.perf_counter() - start
+        produced = {len(r.generated_tokens) for r in results.values()}
+        assert produced == {length}, f"generate_batch produced {produced} tokens, not {length}"
     return elapsed
 
 
@@ -84,7 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=None, help="engine max_num_seqs and HF batch; default all")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--skip-hf-continuous", action="store_true")
+    parser.add_argument("--workloads", nargs="+", default=["fixed", "mixed"], choices=["fixed", "mixed"])
+    parser.add_argument(
+        "--skip-hf-continuous",
+        action="store_true",
+        help="skip generate_batch (slow on CPU; it runs on the fixed workload only)",
+    )
     args = parser.parse_args(argv)
     batch_size = args.batch_size or args.num_prompts
 
@@ -93,42 +117,35 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = resolve_model_dir(None)
     prompts = exact_length_prompts(load_tokenizer(model_dir), args.num_prompts, args.input_len)
-    total_out = args.num_prompts * args.output_len
     rows = []
-    for dtype in args.dtypes:
-        timings: dict[str, float | str] = {
-            "pdserve": run_pdserve(model_dir, prompts, args.output_len, dtype, batch_size)
-        }
-        gc.collect()
-        model = _hf_model(model_dir, dtype)
-        timings["transformers generate"] = run_hf_generate(model, prompts, args.output_len, batch_size)
-        if not args.skip_hf_continuous:
-            try:
-                timings["transformers generate_batch"] = run_hf_continuous(model, prompts, args.output_len, batch_size)
-            except Exception as exc:  # report why the baseline could not run; keep the others
-                timings["transformers generate_batch"] = f"n/a: {type(exc).__name__}: {str(exc)[:80]}"
-        del model
-        gc.collect()
-        ours = total_out / float(timings["pdserve"])
-        for system, elapsed in timings.items():
-            if isinstance(elapsed, str):
-                rows.append({"dtype": dtype, "system": system, "note": elapsed})
-                continue
-            tput = total_out / elapsed
-            rows.append(
-                {
-                    "dtype": dtype,
-                    "system": system,
-                    "seconds": elapsed,
-                    "output tok/s": tput,
-                    "pdserve / this": ours / tput,
-                }
-            )
+    for workload in args.workloads:
+        lengths = output_lengths(workload, args.num_prompts, args.output_len)
+        total_out = sum(lengths)
+        for dtype in args.dtypes:
+            timings: dict[str, float | str] = {"pdserve": run_pdserve(model_dir, prompts, lengths, dtype, batch_size)}
+            gc.collect()
+            model = _hf_model(model_dir, dtype)
+            timings["transformers generate"] = run_hf_generate(model, prompts, lengths, batch_size)
+            if not args.skip_hf_continuous and workload == "fixed":
+                try:
+                    timings["transformers generate_batch"] = run_hf_continuous(model, prompts, lengths, batch_size)
+                except Exception as exc:  # report why the baseline could not run; keep the others
+                    timings["transformers generate_batch"] = f"n/a: {type(exc).__name__}: {str(exc)[:80]}"
+            del model
+            gc.collect()
+            ours = total_out / float(timings["pdserve"])
+            for system, elapsed in timings.items():
+                row = {"workload": workload, "dtype": dtype, "system": system}
+                if isinstance(elapsed, str):
+                    rows.append({**row, "note": elapsed})
+                    continue
+                tput = total_out / elapsed
+                rows.append({**row, "seconds": elapsed, "output tok/s": tput, "pdserve / this": ours / tput})
     print_table(
-        f"Offline throughput: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, "
+        f"Offline throughput: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out (fixed), "
         f"batch {batch_size}, {torch.get_num_threads()} threads",
         rows,
-        ["dtype", "system", "seconds", "output tok/s", "pdserve / this", "note"],
+        ["workload", "dtype", "system", "seconds", "output tok/s", "pdserve / this", "note"],
     )
     payload = {"args": vars(args), "rows": rows}
     write_json("offline_throughput", payload)
