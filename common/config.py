@@ -68,6 +68,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill chunks and decodes together
     max_prefill_chunk: int | None = None  # longest prefill chunk one request gets per step; None: the budget
+    max_num_waiting: int = 4096  # bound of the waiting queue; a request beyond it is refused (retryable)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", EngineRole(self.role))
@@ -75,6 +76,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_waiting < 1:
+            raise ConfigError(f"max_num_waiting={self.max_num_waiting} must be >= 1")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ConfigError(f"max_prefill_chunk={self.max_prefill_chunk} must be >= 1 or None")
 

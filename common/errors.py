@@ -31,3 +31,7 @@ class ConfigError(PdserveError, ValueError):
 
 class UnsupportedModelError(ConfigError):
     """The model's architecture or shape cannot run with the requested settings."""
+
+
+class OverloadedError(PdserveError):
+    """The engine's bounded queues are full: retry later (HTTP 503 with Retry-After)."""

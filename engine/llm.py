@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -30,6 +31,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_prefill_chunk: int | None = None,
+        max_num_waiting: int = 4096,
         cache_dir: str | None = None,
     ) -> None:
         config = EngineConfig(
@@ -43,6 +45,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_chunk=max_prefill_chunk,
+                max_num_waiting=max_num_waiting,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
@@ -74,17 +77,11 @@ class LLM:
             if len(params_list) != len(batch):
                 raise ValueError(f"{len(params_list)} sampling params for {len(batch)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in batch]
-        added = []
-        try:
-            for request_id, prompt, params in zip(ids, batch, params_list, strict=True):
-                self.engine.add_request(request_id, prompt, params, cache_salt)
-                added.append(request_id)
-        except Exception:
-            for request_id in added:
-                self.engine.abort_request(request_id)
-            self.engine.step()  # flush the aborted outputs
-            raise
-        return self._run(ids, use_tqdm if use_tqdm is not None else len(batch) >= 8)
+        return self._run(
+            list(zip(ids, batch, params_list, strict=True)),
+            cache_salt,
+            use_tqdm if use_tqdm is not None else len(batch) >= 8,
+        )
 
     def chat(
         self,
@@ -105,22 +102,35 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, work: list[tuple[str, Prompt, SamplingParams]], cache_salt: str | None, use_tqdm: bool):
+        """Feed requests as the engine's bounded queue has room; on any error abort what is in flight."""
+        pending = deque(work)
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [finished[request_id] for request_id in ids]
+            bar = tqdm(total=len(work), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while pending or self.engine.has_unfinished_requests():
+                while pending and self.engine.can_accept():
+                    request_id, prompt, params = pending.popleft()
+                    self.engine.add_request(request_id, prompt, params, cache_salt)
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id, _, _ in work:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            self.engine.step()  # emits the aborted requests' final outputs, freeing their state
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[request_id] for request_id, _, _ in work]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

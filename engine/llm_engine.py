@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.config import EngineConfig, EngineRole
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, OverloadedError
 from common.kv_events import KVCacheEvent, PrefixCacheStats
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
@@ -113,6 +113,11 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         request, text = self._new_request(request_id, prompt, params, cache_salt)
+        if not self.can_accept():
+            raise OverloadedError(
+                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"(max_num_waiting={self.config.scheduler.max_num_waiting}); retry later"
+            )
         self.outputs.add(request, text, _generator(request.sampling_params.seed))
         self.scheduler.add_request(request)
 
@@ -135,10 +140,9 @@ class LLMEngine:
         """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``."""
         self.outputs.record_logprob(request_id, first_logprob)
         request = self.scheduler.kv_ready(request_id, first_token_id)
-        if request.is_finished:
-            self._finished_outside_step.append(
-                self.outputs.build(request_id, *self.outputs.append_tokens(request_id)[:2])
-            )
+        if request.is_finished:  # max_tokens=1 or an end-of-sequence first token: nothing left to decode
+            new_ids, new_text, _ = self.outputs.append_tokens(request_id)
+            self._finished_outside_step.append(self.outputs.build(request_id, new_ids, new_text))
 
     def release(self, request_id: str) -> None:
         """Prefill role: the KV hand-off is over (acknowledged or abandoned); free the source blocks."""
@@ -177,15 +181,7 @@ class LLMEngine:
             picks = zip(sampled_ids, result.sampled_token_ids, result.logprobs, strict=True)
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
-                if logprob is not None:
-                    self.outputs.record_logprob(
-                        request_id,
-                        TokenLogprob(
-                            logprob.sampled.token_id,
-                            logprob.sampled.logprob,
-                            tuple((lp.token_id, lp.logprob) for lp in logprob.top),
-                        ),
-                    )
+                self.outputs.record_logprob(request_id, logprob)
         for request in self.scheduler.update_from_output(scheduled, sampled):
             new_ids, new_text, stop_hit = self.outputs.append_tokens(request.request_id)
             if stop_hit is not None and not request.is_finished:
@@ -198,6 +194,10 @@ class LLMEngine:
         return results
 
     # --- introspection ---------------------------------------------------------------------
+    def can_accept(self) -> bool:
+        """Whether add_request would find room in the bounded waiting queue."""
+        return len(self.scheduler.waiting) < self.config.scheduler.max_num_waiting
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._finished_outside_step)
 

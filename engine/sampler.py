@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.outputs import TokenLogprob
 from common.sampling_params import SamplingParams
 
 _U64_MASK = (1 << 64) - 1
@@ -39,23 +40,9 @@ class SamplingRequestState:
 
 
 @dataclass(slots=True)
-class Logprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """The chosen token's logprob plus the ``params.logprobs`` most likely tokens, best first."""
-
-    sampled: Logprob
-    top: list[Logprob]
-
-
-@dataclass(slots=True)
 class SamplerOutput:
     sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[TokenLogprob | None]  # chosen token's logprob + the params.logprobs best, best first
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -230,8 +217,8 @@ class Sampler:
     @staticmethod
     def _logprobs(
         raw_logits: torch.Tensor, sampled: torch.Tensor, rows: Sequence[SamplingRequestState]
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(rows)
+    ) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(rows)
         idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not idx:
             return out
@@ -247,6 +234,6 @@ class Sampler:
         top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
         for j, i in enumerate(idx):
             n = rows[i].params.logprobs or 0
-            top = [Logprob(t, v) for t, v in zip(top_id_list[j][:n], top_value_list[j][:n], strict=True)]
-            out[i] = TokenLogprobs(sampled=Logprob(chosen_id_list[j], chosen_list[j]), top=top)
+            top = tuple(zip(top_id_list[j][:n], top_value_list[j][:n], strict=True))
+            out[i] = TokenLogprob(chosen_id_list[j], chosen_list[j], top)
         return out

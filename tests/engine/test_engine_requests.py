@@ -198,3 +198,47 @@ def test_unsupported_architecture_is_named(tmp_path, smol_dir):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*supports LlamaForCausalLM"):
         LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+
+
+def test_request_timeline_is_recorded_in_order(engine):
+    engine.add_request("timed", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+    metrics = run_to_completion(engine)["timed"].metrics
+    assert metrics is not None and metrics.ttft is not None and metrics.ttft > 0
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.finished_time
+
+
+def test_decode_role_first_token_may_end_the_request(smol_dir):
+    decode = make_engine(smol_dir, EngineRole.DECODE)
+    try:
+        ids = decode.tokenizer.encode(PROMPTS[0])
+        assert decode.reserve("one", ids, SamplingParams(max_tokens=1)) is not None
+        assert decode.num_blocks_held() > 0
+        decode.kv_ready("one", first_token_id=ids[-1])
+        (output,) = decode.step()
+        assert output.finished and output.outputs[0].token_ids == [ids[-1]]
+        assert output.outputs[0].finish_reason == "length"
+        assert decode.num_blocks_held() == 0 and not decode.has_unfinished_requests()
+        decode.check_integrity()
+    finally:
+        decode.shutdown()
+
+
+def test_bounded_waiting_queue_refuses_then_offline_api_feeds_gradually(tiny_dir):
+    from common.errors import OverloadedError
+    from engine import LLM
+
+    with LLM(str(tiny_dir), kv_cache_memory=8 * 2**20, max_num_waiting=2) as llm:
+        engine = llm.engine
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
+        engine.add_request("b", [5, 6, 8], SamplingParams(max_tokens=2))
+        with pytest.raises(OverloadedError, match="max_num_waiting=2"):
+            engine.add_request("c", [5, 6, 9], SamplingParams(max_tokens=2))
+        run_to_completion(engine)
+        # The offline API never overflows the queue: it adds requests as room frees up.
+        outputs = llm.generate([[10 + i, 11, 12] for i in range(7)], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [3] * 7
+        # A bad prompt in the middle fails the call and leaves nothing behind.
+        with pytest.raises(InvalidRequestError):
+            llm.generate([[5, 6], [7, 8], [], [9, 10]], SamplingParams(max_tokens=50))
+        assert engine.num_blocks_held() == 0 and not engine.has_unfinished_requests()
+        engine.check_integrity()

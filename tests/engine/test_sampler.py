@@ -70,7 +70,7 @@ def test_bf16_logits_are_accepted() -> None:
     lp = out.logprobs[1]
     assert lp is not None
     expected = torch.log_softmax(logits[1].float(), -1)[out.sampled_token_ids[1]].item()
-    assert lp.sampled.logprob == pytest.approx(expected, abs=1e-5)
+    assert lp.logprob == pytest.approx(expected, abs=1e-5)
 
 
 def _seeded_run(seed: int, steps: int, companions: list[SamplingParams], position: int) -> list[int]:
@@ -226,18 +226,18 @@ def test_logprobs_come_from_raw_logits() -> None:
         lp = out.logprobs[i]
         assert lp is not None
         token = out.sampled_token_ids[i]
-        assert lp.sampled.token_id == token
-        assert lp.sampled.logprob == pytest.approx(raw[i, token].item(), abs=1e-5)
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(raw[i, token].item(), abs=1e-5)
     assert out.logprobs[2] is None
 
     first = out.logprobs[0]
     assert first is not None
     top_values, top_ids = raw[0].topk(4)
-    assert [lp.token_id for lp in first.top] == top_ids.tolist()
-    assert [lp.logprob for lp in first.top] == pytest.approx(top_values.tolist(), abs=1e-5)
-    values = [lp.logprob for lp in first.top]
+    assert [token_id for token_id, _ in first.top] == top_ids.tolist()
+    assert [logprob for _, logprob in first.top] == pytest.approx(top_values.tolist(), abs=1e-5)
+    values = [logprob for _, logprob in first.top]
     assert values == sorted(values, reverse=True)
-    assert out.logprobs[1] is not None and out.logprobs[1].top == []
+    assert out.logprobs[1] is not None and out.logprobs[1].top == ()
 
 
 def test_empty_batch() -> None:
