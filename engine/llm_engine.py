@@ -20,7 +20,7 @@ from common.kv_events import KVCacheEvent, PrefixCacheStats
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
 from engine.executor import Executor, WorkerLauncher
-from engine.kv_cache.layout import KVCacheLayout
+from common.kv_layout import KVCacheLayout
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
@@ -68,7 +68,7 @@ class LLMEngine:
 
     @property
     def kv_caches(self):
-        """The driver shard's per-layer KV tensors (layout: engine.kv_cache.layout)."""
+        """The driver shard's per-layer KV tensors (layout: common.kv_layout)."""
         return self.executor.driver.kv_caches
 
     # --- intake ----------------------------------------------------------------------------

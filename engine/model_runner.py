@@ -12,7 +12,7 @@ from common.config import EngineConfig
 from common.errors import ConfigError
 from engine.attention import StepTensors, get_backend
 from engine.distributed.parallel import TensorParallel
-from engine.kv_cache.layout import KVCacheLayout, bytes_per_block
+from common.kv_layout import KVCacheLayout, bytes_per_block
 from engine.models import check_tp_degree, resolve_architecture
 from engine.models.llama import LlamaForCausalLM, LlamaShape
 from engine.step_input import StepInput

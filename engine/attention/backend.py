@@ -55,7 +55,7 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (rotary applied); kv_cache is one layer's tensor (see
-        engine.kv_cache.layout). Writes k/v into their slots, returns attention output [T, Hq, D]."""
+        common.kv_layout). Writes k/v into their slots, returns attention output [T, Hq, D]."""
 
 
 _BACKENDS = {"torch": "engine.attention.torch_paged:TorchPagedAttention"}

@@ -1,4 +1,5 @@
-"""The KV-cache layout contract. kv_transfer reads and writes exactly this; change it only here.
+"""The KV-cache layout contract (torch-free). engine allocates it, kv_transfer reads and writes exactly
+this; change it only here.
 
 One tensor per layer, preallocated at start::
 

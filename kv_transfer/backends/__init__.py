@@ -1,0 +1,1 @@
+"""Transport backends, loaded lazily by name (see kv_transfer.transport)."""

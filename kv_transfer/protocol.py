@@ -1,0 +1,77 @@
+"""The wire format every backend carries: a signed msgpack header, then raw payload bytes.
+
+    chunk   = header (msgpack map, includes "mac") + payload (a layer's KV for some heads, raw)
+    header  = {kind: "layer"|"done", request_id, layer, sender_rank, sender_tp, receiver_rank,
+               dst_head_offset, num_heads, num_blocks, nbytes, checksum|None, first_token_id|None}
+    mac     = HMAC-SHA256(ticket secret, msgpack(header without mac))
+
+The checksum (CRC-32 of the payload) sits inside the authenticated header, so a corrupted payload
+is detected and a forged header is refused. Nothing is unpickled: headers are msgpack, payloads
+are reinterpreted as tensors of the ticket's dtype and shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import zlib
+from dataclasses import asdict, dataclass
+
+import msgpack
+
+
+class ProtocolError(Exception):
+    """A chunk that must not be written: bad signature, bad checksum, malformed header."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    kind: str  # "layer" or "done"
+    request_id: str
+    sender_rank: int
+    sender_tp: int
+    receiver_rank: int
+    layer: int = -1
+    dst_head_offset: int = 0
+    num_heads: int = 0
+    num_blocks: int = 0
+    nbytes: int = 0
+    checksum: int | None = None
+    first_token_id: int | None = None
+    num_layers_sent: int = 0
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload)
+
+
+def _mac(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def encode_header(header: ChunkHeader, secret: bytes) -> bytes:
+    body = msgpack.packb(asdict(header), use_bin_type=True)
+    return msgpack.packb({"body": body, "mac": _mac(secret, body)}, use_bin_type=True)
+
+
+def peek_request_id(raw: bytes) -> str:
+    """The request id of a chunk, read before authentication to find the ticket's secret."""
+    try:
+        outer = msgpack.unpackb(raw, raw=False)
+        return str(msgpack.unpackb(outer["body"], raw=False)["request_id"])
+    except Exception as exc:  # any malformed input is a protocol error, never a crash
+        raise ProtocolError(f"malformed chunk header: {exc}") from exc
+
+
+def decode_header(raw: bytes, secret: bytes) -> ChunkHeader:
+    try:
+        outer = msgpack.unpackb(raw, raw=False)
+        body, mac = outer["body"], outer["mac"]
+    except Exception as exc:
+        raise ProtocolError(f"malformed chunk header: {exc}") from exc
+    if not hmac.compare_digest(_mac(secret, body), mac):
+        raise ProtocolError("chunk signature does not match the ticket's secret")
+    try:
+        return ChunkHeader(**msgpack.unpackb(body, raw=False))
+    except Exception as exc:
+        raise ProtocolError(f"malformed chunk header: {exc}") from exc

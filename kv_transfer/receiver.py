@@ -1,0 +1,222 @@
+"""One receiving shard: verifies chunks and writes them straight into reserved blocks.
+
+Per request:  PENDING (ticket registered) ─▶ TRANSFERRING (first layer landed) ─▶ DONE (every
+expected layer from every expected sender, and their "done") | FAILED (checksum, lease expired,
+a sender finished short). A chunk with a bad signature is refused and counted, but does not fail
+the transfer: an unauthenticated party must not be able to cancel someone else's request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import torch
+
+from common.kv_layout import KVCacheLayout
+from kv_transfer.protocol import ChunkHeader, ProtocolError, checksum, decode_header, peek_request_id
+from kv_transfer.resharding import plan_transfer, senders_for, shard_heads
+from kv_transfer.state import TransferState, TransferStats
+from kv_transfer.ticket import KVTicket, TicketError
+from kv_transfer.transport import TransferRefused
+
+# Payloads arrive as read-only bytes; they are only read (copied into the cache), never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Incoming:
+    ticket: KVTicket
+    block_index: torch.Tensor
+    state: TransferState = TransferState.PENDING
+    reason: str | None = None
+    sender_tp: int | None = None
+    expected: set[tuple[int, int, int]] = field(default_factory=set)  # (sender, layer, dst_head_offset)
+    landed: set[tuple[int, int, int]] = field(default_factory=set)
+    layers_landed: Counter = field(default_factory=Counter)  # layer -> segments landed
+    done_from: set[int] = field(default_factory=set)
+    first_token_id: int | None = None
+    stats: TransferStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveStatus:
+    state: TransferState
+    reason: str | None
+    first_token_id: int | None
+    layers_complete: int  # layers whose every segment has landed (layer-wise progress)
+
+
+class KVReceiver:
+    def __init__(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, backend: str = "") -> None:
+        assert len(kv_caches) == layout.num_layers, "one KV tensor per layer"
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._incoming: dict[str, _Incoming] = {}
+        self.refusals: Counter = Counter()  # reason -> count, for metrics
+
+    # --- the decode driver's side ----------------------------------------------------------
+    def expect(self, ticket: KVTicket) -> None:
+        """Register a ticket before handing it out; chunks for unknown tickets are refused."""
+        bad = [b for b in ticket.block_ids if not 0 <= b < self.layout.num_blocks]
+        if bad:
+            raise TicketError(
+                f"ticket {ticket.request_id} names blocks {bad[:4]} outside this cache's {self.layout.num_blocks}"
+            )
+        device = self.kv_caches[0].device
+        with self._lock:
+            self._incoming[ticket.request_id] = _Incoming(
+                ticket=ticket,
+                block_index=torch.tensor(ticket.block_ids[: ticket.num_blocks], dtype=torch.long, device=device),
+                stats=TransferStats(ticket.request_id, self.backend),
+            )
+
+    def poll(self, request_id: str) -> ReceiveStatus:
+        """Never blocks. A non-terminal transfer past its lease becomes FAILED here."""
+        with self._lock:
+            incoming = self._incoming.get(request_id)
+            if incoming is None:
+                return ReceiveStatus(TransferState.FAILED, "no such ticket", None, 0)
+            if not incoming.state.is_terminal and incoming.ticket.is_expired():
+                self._fail(incoming, "lease expired before the KV arrived")
+            complete = self._layers_complete(incoming)
+            return ReceiveStatus(incoming.state, incoming.reason, incoming.first_token_id, complete)
+
+    def stats(self, request_id: str) -> TransferStats | None:
+        incoming = self._incoming.get(request_id)
+        return incoming.stats if incoming else None
+
+    def release(self, request_id: str) -> None:
+        """Forget a ticket (its blocks are the engine's to free); later chunks for it are refused."""
+        with self._lock:
+            self._incoming.pop(request_id, None)
+
+    # --- the transport's side --------------------------------------------------------------
+    def apply(self, raw_header: bytes, payload: memoryview | bytes) -> None:
+        """Verify one chunk and write it. Raises TransferRefused with the reason; writes nothing then."""
+        try:
+            request_id = peek_request_id(raw_header)
+        except ProtocolError as exc:
+            self._refuse("malformed", str(exc))
+        with self._lock:
+            incoming = self._incoming.get(request_id)
+            if incoming is None:
+                self._refuse("unknown_ticket", f"no ticket for request {request_id!r} here")
+            try:
+                header = decode_header(raw_header, incoming.ticket.secret)
+            except ProtocolError as exc:
+                self._refuse("bad_signature", str(exc))
+            if incoming.state.is_terminal:
+                self._refuse("terminal", f"transfer of {request_id} already {incoming.state.name}")
+            if incoming.ticket.is_expired():
+                self._fail(incoming, "lease expired before the KV arrived")
+                self._refuse("lease_expired", "the ticket's lease has expired")
+            if header.receiver_rank != self.layout.tp_rank:
+                self._refuse("wrong_shard", f"chunk for shard {header.receiver_rank} reached {self.layout.tp_rank}")
+            self._learn_senders(incoming, header)
+            if header.kind == "done":
+                self._on_done(incoming, header)
+                return
+            key = (header.sender_rank, header.layer, header.dst_head_offset)
+            if key not in incoming.expected:
+                self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
+            target = self._target_view(incoming, header, payload)
+            if header.checksum is not None and checksum(payload) != header.checksum:
+                self._fail(incoming, f"checksum mismatch in layer {header.layer}")
+                self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+        # The copy runs outside the lock: chunks of one request write disjoint heads/layers.
+        heads = slice(header.dst_head_offset, header.dst_head_offset + header.num_heads)
+        self.kv_caches[header.layer][:, :, :, heads].index_copy_(1, incoming.block_index, target)
+        with self._lock:
+            now = time.monotonic()
+            stats = incoming.stats
+            assert stats is not None
+            if stats.start_time is None:
+                stats.start_time = now
+            stats.num_bytes += len(payload)
+            incoming.landed.add(key)
+            incoming.layers_landed[header.layer] += 1
+            if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
+                stats.first_layer_time = now
+            if incoming.state is TransferState.PENDING:
+                incoming.state = TransferState.TRANSFERRING
+            self._maybe_done(incoming)
+
+    # --- helpers (hold the lock) -----------------------------------------------------------
+    def _learn_senders(self, incoming: _Incoming, header: ChunkHeader) -> None:
+        if incoming.sender_tp is None:
+            incoming.sender_tp = header.sender_tp
+            plan = plan_transfer(header.sender_tp, self.layout.tp_size, self.layout.total_kv_heads)
+            incoming.expected = {
+                (seg.sender_rank, layer, seg.dst_head_offset)
+                for seg in plan
+                if seg.receiver_rank == self.layout.tp_rank
+                for layer in range(self.layout.num_layers)
+            }
+        elif header.sender_tp != incoming.sender_tp:
+            self._refuse("unplanned", f"sender TP changed from {incoming.sender_tp} to {header.sender_tp}")
+
+    def _target_view(self, incoming: _Incoming, header: ChunkHeader, payload) -> torch.Tensor:
+        layout = self.layout
+        dtype = _DTYPES[layout.dtype]
+        shape = (2, incoming.ticket.num_blocks, layout.block_size, header.num_heads, layout.head_dim)
+        expected_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if header.num_blocks != incoming.ticket.num_blocks or len(payload) != expected_bytes:
+            self._refuse("shape", f"layer {header.layer}: {len(payload)} bytes, expected {expected_bytes}")
+        if header.dst_head_offset + header.num_heads > layout.num_kv_heads:
+            self._refuse("shape", f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard")
+        raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        return raw.view(dtype).view(shape).to(self.kv_caches[0].device)
+
+    def _on_done(self, incoming: _Incoming, header: ChunkHeader) -> None:
+        incoming.done_from.add(header.sender_rank)
+        if header.first_token_id is not None:
+            incoming.first_token_id = header.first_token_id
+        missing = {key for key in incoming.expected if key[0] == header.sender_rank} - incoming.landed
+        if missing:
+            self._fail(incoming, f"sender {header.sender_rank} finished with {len(missing)} chunks missing")
+            return
+        self._maybe_done(incoming)
+
+    def _maybe_done(self, incoming: _Incoming) -> None:
+        assert incoming.sender_tp is not None
+        needed = senders_for(self.layout.tp_rank, incoming.sender_tp, self.layout.tp_size, self.layout.total_kv_heads)
+        if incoming.landed == incoming.expected and needed <= incoming.done_from:
+            incoming.state = TransferState.DONE
+            stats = incoming.stats
+            assert stats is not None
+            stats.end_time = time.monotonic()
+            stats.num_layers = self.layout.num_layers
+
+    def _layers_complete(self, incoming: _Incoming) -> int:
+        if incoming.sender_tp is None:
+            return 0
+        per_layer = len(incoming.expected) // self.layout.num_layers
+        count = 0
+        for layer in range(self.layout.num_layers):  # layers land in order; count the complete prefix
+            if incoming.layers_landed[layer] < per_layer:
+                break
+            count += 1
+        return count
+
+    def _fail(self, incoming: _Incoming, reason: str) -> None:
+        if not incoming.state.is_terminal:
+            incoming.state = TransferState.FAILED
+            incoming.reason = reason
+            if incoming.stats is not None:
+                incoming.stats.end_time = time.monotonic()
+
+    def _refuse(self, kind: str, message: str) -> NoReturn:
+        self.refusals[kind] += 1
+        raise TransferRefused(message)
+
+
+__all__ = ["KVReceiver", "ReceiveStatus", "shard_heads"]

@@ -1,0 +1,257 @@
+"""One sending shard: pushes each layer's KV for a ticket as soon as the layer is computed.
+
+The compute thread only enqueues (``send_layer`` / ``finish`` never touch the network); one
+background thread per sender slices the source blocks and sends, so layer i travels while
+layer i+1 computes. The queue is bounded: a sender that cannot keep up blocks the enqueue up to
+the ticket's lease, then fails the transfer instead of buffering without limit.
+
+Per request:  PENDING ─▶ TRANSFERRING ─▶ DONE (every receiver acknowledged the "done") | FAILED.
+The source blocks stay the caller's to hold until ``poll`` says the transfer is terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.kv_layout import KVCacheLayout
+from kv_transfer.protocol import ChunkHeader, checksum, encode_header
+from kv_transfer.resharding import segments_from
+from kv_transfer.state import TransferState, TransferStats
+from kv_transfer.ticket import KVTicket
+from kv_transfer.transport import KVChannel, KVTransport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    ticket: KVTicket
+    src_block_index: torch.Tensor
+    state: TransferState = TransferState.PENDING
+    reason: str | None = None
+    stats: TransferStats | None = None
+    layers_sent: int = 0
+    receivers: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class SendStatus:
+    state: TransferState
+    reason: str | None
+    layers_sent: int
+
+
+def _payload(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes without a copy (bf16 has no numpy dtype: view as bytes)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class KVSender:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        model_id: str,
+        transport: KVTransport,
+        *,
+        max_queue: int = 64,
+        with_checksums: bool = True,
+    ) -> None:
+        self.layout = layout
+        self.model_id = model_id
+        self.transport = transport
+        self.with_checksums = with_checksums
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._channels: dict[str, KVChannel] = {}
+        self._scratch: dict[str, torch.Tensor] = {}  # used by the sending thread only
+        self._thread = threading.Thread(target=self._run, name=f"kv-sender-{layout.tp_rank}", daemon=True)
+        self._thread.start()
+
+    # --- the compute side (never blocks on the network) ---------------------------------------
+    def start(self, ticket: KVTicket, src_block_ids: list[int]) -> None:
+        """Begin a transfer; raises TicketError at once if the layouts cannot match."""
+        ticket.check_sender(self.layout, self.model_id)
+        index = torch.tensor(src_block_ids[: ticket.num_blocks], dtype=torch.long)
+        segments = segments_from(
+            self.layout.tp_rank, self.layout.tp_size, ticket.layout.tp_size, self.layout.total_kv_heads
+        )
+        with self._lock:
+            self._outgoing[ticket.request_id] = _Outgoing(
+                ticket=ticket,
+                src_block_index=index,
+                stats=TransferStats(ticket.request_id, self.transport.name),
+                receivers={seg.receiver_rank for seg in segments},
+            )
+
+    def send_layer(self, request_id: str, layer: int, kv_layer: torch.Tensor) -> None:
+        """Queue layer ``layer`` (this shard's [2, blocks, block_size, heads, head_dim] tensor)."""
+        self._enqueue(request_id, ("layer", request_id, layer, kv_layer))
+
+    def finish(self, request_id: str, first_token_id: int | None) -> None:
+        """Queue the completion message after the last layer (carries prefill's first sampled token)."""
+        self._enqueue(request_id, ("done", request_id, first_token_id, None))
+
+    def poll(self, request_id: str) -> SendStatus:
+        with self._lock:
+            out = self._outgoing.get(request_id)
+            if out is None:
+                return SendStatus(TransferState.FAILED, "no such transfer", 0)
+            if not out.state.is_terminal and out.ticket.is_expired():
+                self._fail(out, "lease expired before the receiver acknowledged")
+            return SendStatus(out.state, out.reason, out.layers_sent)
+
+    def stats(self, request_id: str) -> TransferStats | None:
+        out = self._outgoing.get(request_id)
+        return out.stats if out else None
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._outgoing.pop(request_id, None)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        for channel in self._channels.values():
+            channel.close()
+
+    # --- the sending thread ---------------------------------------------------------------
+    def _enqueue(self, request_id: str, item: tuple) -> None:
+        out = self._outgoing.get(request_id)
+        if out is None or out.state.is_terminal:
+            return
+        timeout = max(0.0, out.ticket.lease_deadline - time.time())
+        try:
+            self._queue.put(item, timeout=timeout)
+        except queue.Full:
+            with self._lock:
+                self._fail(out, "send queue full until the lease expired")
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, request_id, arg, kv_layer = item
+            out = self._outgoing.get(request_id)
+            if out is None or out.state.is_terminal:
+                continue
+            try:
+                if kind == "layer":
+                    self._send_layer(out, arg, kv_layer)
+                else:
+                    self._send_done(out, arg)
+            except Exception as exc:  # any transport failure ends this request, never the thread
+                logger.warning("KV transfer of %s failed: %s", request_id, exc)
+                with self._lock:
+                    self._fail(out, f"{type(exc).__name__}: {exc}")
+
+    def _send_layer(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor) -> None:
+        ticket = out.ticket
+        layout = self.layout
+        stats = out.stats
+        assert stats is not None
+        if stats.start_time is None:
+            stats.start_time = time.monotonic()
+            with self._lock:
+                out.state = TransferState.TRANSFERRING
+        blocks = self._gather_blocks(kv_layer, out.src_block_index.to(kv_layer.device))
+        for seg in segments_from(layout.tp_rank, layout.tp_size, ticket.layout.tp_size, layout.total_kv_heads):
+            payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
+            header = ChunkHeader(
+                kind="layer",
+                request_id=ticket.request_id,
+                sender_rank=layout.tp_rank,
+                sender_tp=layout.tp_size,
+                receiver_rank=seg.receiver_rank,
+                layer=layer,
+                dst_head_offset=seg.dst_head_offset,
+                num_heads=seg.num_heads,
+                num_blocks=ticket.num_blocks,
+                nbytes=len(payload),
+                checksum=checksum(payload) if self.with_checksums else None,
+            )
+            self._channel(ticket, seg.receiver_rank).send(
+                encode_header(header, ticket.secret), payload, self._time_left(ticket)
+            )
+            stats.num_bytes += len(payload)
+        out.layers_sent += 1
+        if stats.first_layer_time is None:
+            stats.first_layer_time = time.monotonic()
+
+    def _gather_blocks(self, kv_layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The ticket's source blocks of one layer, contiguous, in reused scratch memory.
+
+        Reuse matters: a fresh multi-MB tensor per layer costs page faults that run at ~1.5 GB/s
+        here, while a gather into memory already touched runs at ~10 GB/s. The scratch is safe to
+        reuse because a chunk's send returns only after the receiver has consumed it.
+        """
+        full = self._scratch_tensor("blocks", (2, len(index), *kv_layer.shape[2:]), kv_layer.dtype, kv_layer.device)
+        torch.index_select(kv_layer, 1, index, out=full)
+        return full
+
+    def _select_heads(self, blocks: torch.Tensor, head_offset: int, num_heads: int) -> torch.Tensor:
+        if num_heads != blocks.shape[3]:
+            part = self._scratch_tensor(
+                "heads", (*blocks.shape[:3], num_heads, blocks.shape[4]), blocks.dtype, blocks.device
+            )
+            part.copy_(blocks[:, :, :, head_offset : head_offset + num_heads])
+            blocks = part
+        return blocks.cpu()
+
+    def _scratch_tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def _send_done(self, out: _Outgoing, first_token_id: int | None) -> None:
+        ticket = out.ticket
+        for receiver in sorted(out.receivers):
+            header = ChunkHeader(
+                kind="done",
+                request_id=ticket.request_id,
+                sender_rank=self.layout.tp_rank,
+                sender_tp=self.layout.tp_size,
+                receiver_rank=receiver,
+                first_token_id=first_token_id,
+                num_layers_sent=out.layers_sent,
+            )
+            self._channel(ticket, receiver).send(encode_header(header, ticket.secret), b"", self._time_left(ticket))
+        with self._lock:
+            if not out.state.is_terminal:
+                out.state = TransferState.DONE
+                assert out.stats is not None
+                out.stats.end_time = time.monotonic()
+                out.stats.num_layers = out.layers_sent
+
+    def _channel(self, ticket: KVTicket, receiver_rank: int) -> KVChannel:
+        endpoint = ticket.receiver_endpoints[receiver_rank]
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = self.transport.connect(endpoint)
+        return channel
+
+    @staticmethod
+    def _time_left(ticket: KVTicket) -> float:
+        left = ticket.lease_deadline - time.time()
+        if left <= 0:
+            raise TimeoutError("lease expired")
+        return left
+
+    def _fail(self, out: _Outgoing, reason: str) -> None:
+        if not out.state.is_terminal:
+            out.state = TransferState.FAILED
+            out.reason = reason
+            if out.stats is not None:
+                out.stats.end_time = time.monotonic()

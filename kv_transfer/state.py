@@ -1,0 +1,42 @@
+"""Transfer states and statistics, shared by senders and receivers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class TransferState(enum.IntEnum):
+    """Ordered: a transfer only moves forward, and DONE/FAILED are terminal."""
+
+    PENDING = 0
+    TRANSFERRING = 1
+    DONE = 2
+    FAILED = 3
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= TransferState.DONE
+
+
+@dataclass(slots=True)
+class TransferStats:
+    request_id: str
+    backend: str
+    num_bytes: int = 0
+    num_layers: int = 0
+    start_time: float | None = None  # first chunk sent / received (time.monotonic)
+    first_layer_time: float | None = None
+    end_time: float | None = None
+
+    @property
+    def time_to_first_layer_s(self) -> float | None:
+        if self.start_time is None or self.first_layer_time is None:
+            return None
+        return self.first_layer_time - self.start_time
+
+    @property
+    def total_time_s(self) -> float | None:
+        if self.start_time is None or self.end_time is None:
+            return None
+        return self.end_time - self.start_time

@@ -1,0 +1,66 @@
+"""The backend interface: how a chunk (signed header + payload) gets from a sender to a receiver.
+
+Backends are found by name through a lazy registry, so an unused backend's dependencies
+(grpc, torch.distributed groups, shared memory) never load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kv_transfer.receiver import KVReceiver
+
+
+class TransferRefused(Exception):
+    """The receiver refused a chunk (bad signature, expired lease, checksum, layout); the reason says why."""
+
+
+class KVChannel(ABC):
+    """A sender's connection to one receiver endpoint. Used by one sender thread at a time."""
+
+    @abstractmethod
+    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float) -> None:
+        """Deliver one chunk and wait for the receiver's verdict. May block up to ``timeout_s``.
+
+        Raises TransferRefused (the receiver said no), TimeoutError, or ConnectionError.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the connection; idempotent."""
+
+
+class KVTransport(ABC):
+    name: str
+
+    @abstractmethod
+    def serve(self, receiver: KVReceiver, host: str = "127.0.0.1") -> str:
+        """Start accepting chunks for ``receiver``; returns its endpoint string. Never blocks."""
+
+    @abstractmethod
+    def connect(self, endpoint: str) -> KVChannel:
+        """A channel to a served endpoint (may connect lazily)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop serving; idempotent."""
+
+
+_BACKENDS = {
+    "inproc": "kv_transfer.backends.inproc:InProcTransport",
+    "shm": "kv_transfer.backends.shm:SharedMemoryTransport",
+    "grpc": "kv_transfer.backends.grpc_backend:GrpcTransport",
+    "torch": "kv_transfer.backends.torch_dist:TorchDistTransport",
+}
+
+
+def available_backends() -> list[str]:
+    return list(_BACKENDS)
+
+
+def get_transport(name: str, **options) -> KVTransport:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; available: {', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**options)

@@ -1,0 +1,115 @@
+"""Builds sender and receiver shards of any TP degree over random KV, for transfer tests and benches."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from common.kv_layout import KVCacheLayout
+from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
+from kv_transfer.resharding import shard_heads
+from kv_transfer.transport import KVTransport
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def layout_for(
+    tp: int, rank: int, *, num_layers=3, total_kv_heads=2, head_dim=8, block_size=4, num_blocks=32, dtype="float32"
+) -> KVCacheLayout:
+    return KVCacheLayout(
+        num_layers=num_layers,
+        num_kv_heads=max(1, total_kv_heads // tp),
+        head_dim=head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        dtype=dtype,
+        total_kv_heads=total_kv_heads,
+        tp_size=tp,
+        tp_rank=rank,
+    )
+
+
+@dataclass
+class Side:
+    layouts: list[KVCacheLayout]
+    caches: list[list[torch.Tensor]]  # [shard][layer]
+
+
+def make_side(tp: int, *, fill: bool, seed: int = 0, **shape) -> tuple[Side, list[torch.Tensor] | None]:
+    """Shards of one replica. With ``fill``, every shard holds its heads of one random global cache."""
+    layouts = [layout_for(tp, r, **shape) for r in range(tp)]
+    base = layouts[0]
+    dtype = DTYPES[base.dtype]
+    full = None
+    if fill:
+        g = torch.Generator().manual_seed(seed)
+        full = [
+            torch.randn(2, base.num_blocks, base.block_size, base.total_kv_heads, base.head_dim, generator=g).to(dtype)
+            for _ in range(base.num_layers)
+        ]
+    caches = []
+    for layout in layouts:
+        heads = shard_heads(layout.tp_rank, tp, base.total_kv_heads)
+        if full is not None:
+            caches.append([layer[:, :, :, heads.start : heads.stop].clone() for layer in full])
+        else:
+            caches.append([torch.zeros(layout.layer_shape, dtype=dtype) for _ in range(base.num_layers)])
+    return Side(layouts, caches), full
+
+
+def transfer(
+    transport: KVTransport,
+    sender_tp: int,
+    receiver_tp: int,
+    *,
+    num_tokens=13,
+    src_blocks=None,
+    dst_blocks=None,
+    lease_s=30.0,
+    seed=0,
+    with_checksums=True,
+    **shape,
+):
+    """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side)."""
+    src, full = make_side(sender_tp, fill=True, seed=seed, **shape)
+    dst, _ = make_side(receiver_tp, fill=False, **shape)
+    receivers = [KVReceiver(dst.caches[r], dst.layouts[r], transport.name) for r in range(receiver_tp)]
+    endpoints = [transport.serve(rx) for rx in receivers]
+    nb = -(-num_tokens // src.layouts[0].block_size)
+    src_blocks = src_blocks or list(range(5, 5 + nb))
+    dst_blocks = dst_blocks or list(range(20, 20 + nb))[::-1]
+    ticket = make_ticket("req-1", transport.name, endpoints, dst.layouts[0], "m", dst_blocks, num_tokens, lease_s)
+    for rx in receivers:
+        rx.expect(ticket)
+    senders = [KVSender(src.layouts[s], "m", transport, with_checksums=with_checksums) for s in range(sender_tp)]
+    for s, sender in enumerate(senders):
+        sender.start(ticket, src_blocks)
+        for layer, kv in enumerate(src.caches[s]):
+            sender.send_layer(ticket.request_id, layer, kv)
+        sender.finish(ticket.request_id, first_token_id=42)
+    return receivers, senders, ticket, full, dst, src_blocks
+
+
+def wait_terminal(pollers, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [p() for p in pollers]
+        if all(s.state.is_terminal for s in states):
+            return states
+        time.sleep(0.005)
+    return [p() for p in pollers]
+
+
+def assert_bit_exact(full, dst: Side, src_blocks, dst_blocks, num_blocks):
+    base = dst.layouts[0]
+    for r, layout in enumerate(dst.layouts):
+        heads = shard_heads(r, layout.tp_size, base.total_kv_heads)
+        for layer in range(base.num_layers):
+            expected = full[layer][:, src_blocks[:num_blocks], :, heads.start : heads.stop]
+            got = dst.caches[r][layer][:, list(dst_blocks[:num_blocks])]
+            assert torch.equal(got, expected), f"receiver shard {r} layer {layer} differs"
+
+
+__all__ = ["TransferState", "assert_bit_exact", "layout_for", "make_side", "replace", "transfer", "wait_terminal"]

@@ -1,0 +1,193 @@
+"""KV transfer over every backend: bit-exact across TP pairs, layer-wise progress, and faults that
+end in a terminal state with the reason, within the lease, writing nothing they should not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kv_transfer import KVReceiver, KVSender, TicketError, TransferState, make_ticket
+from kv_transfer.protocol import ChunkHeader, encode_header
+from kv_transfer.transport import TransferRefused, available_backends, get_transport
+from tests.kv_transfer.harness import assert_bit_exact, layout_for, make_side, transfer, wait_terminal
+
+# Every backend registered in kv_transfer.transport runs every test here.
+BACKENDS = available_backends()
+
+
+@pytest.fixture(params=BACKENDS)
+def transport(request):
+    t = get_transport(request.param)
+    yield t
+    t.shutdown()
+
+
+@pytest.mark.parametrize(("sender_tp", "receiver_tp", "heads"), [(1, 1, 2), (3, 1, 3), (1, 3, 3), (2, 4, 2)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit_exact_across_tp_pairs(transport, sender_tp, receiver_tp, heads, dtype):
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transport, sender_tp, receiver_tp, total_kv_heads=heads, dtype=dtype
+    )
+    rx = wait_terminal([lambda r=r: r.poll("req-1") for r in receivers])
+    tx = wait_terminal([lambda s=s: s.poll("req-1") for s in senders])
+    assert all(s.state is TransferState.DONE for s in rx + tx), [(s.state, s.reason) for s in rx + tx]
+    assert all(s.first_token_id == 42 for s in rx)
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    # Nothing outside the reserved blocks was touched.
+    untouched = [b for b in range(dst.layouts[0].num_blocks) if b not in ticket.block_ids[: ticket.num_blocks]]
+    assert all(torch.count_nonzero(layer[:, untouched]) == 0 for shard in dst.caches for layer in shard)
+    stats = receivers[0].stats("req-1")
+    assert stats.num_bytes > 0 and stats.total_time_s is not None and stats.num_layers == 3
+    for s in senders:
+        s.close()
+
+
+def test_smollm2_layout_bit_exact(transport):
+    # SmolLM2's real shard layout: 30 layers, 3 KV heads of 64, 16-token blocks, prefill TP=3 -> decode TP=1.
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transport, 3, 1, num_layers=30, total_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, num_tokens=100
+    )
+    assert [s.state for s in wait_terminal([lambda: receivers[0].poll("req-1")])] == [TransferState.DONE]
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    for s in senders:
+        s.close()
+
+
+def test_layers_arrive_before_later_layers_are_produced(transport):
+    src, _ = make_side(1, fill=True)
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
+    ticket = make_ticket(
+        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30
+    )
+    receiver.expect(ticket)
+    sender = KVSender(src.layouts[0], "m", transport)
+    sender.start(ticket, [7, 8, 9, 10])
+    sender.send_layer("req-1", 0, src.caches[0][0])  # layer 0 computed; layers 1-2 not yet
+    deadline = time.monotonic() + 10
+    while receiver.poll("req-1").layers_complete < 1 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    status = receiver.poll("req-1")
+    assert status.layers_complete == 1 and status.state is TransferState.TRANSFERRING
+    for layer in (1, 2):
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    sender.finish("req-1", 5)
+    assert wait_terminal([lambda: receiver.poll("req-1")])[0].state is TransferState.DONE
+    stats = receiver.stats("req-1")
+    assert stats.time_to_first_layer_s is not None and stats.time_to_first_layer_s <= stats.total_time_s
+    sender.close()
+
+
+def _one_receiver(transport, lease_s=30.0):
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
+    ticket = make_ticket(
+        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s
+    )
+    receiver.expect(ticket)
+    return receiver, ticket, dst
+
+
+def test_wrong_secret_is_refused_and_writes_nothing(transport):
+    receiver, ticket, dst = _one_receiver(transport)
+    header = ChunkHeader(
+        kind="layer",
+        request_id="req-1",
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=0,
+        num_heads=2,
+        num_blocks=4,
+        nbytes=2 * 4 * 4 * 2 * 8 * 4,
+    )
+    payload = torch.ones(2, 4, 4, 2, 8).numpy().tobytes()
+    channel = transport.connect(ticket.receiver_endpoints[0])
+    with pytest.raises(TransferRefused, match="signature"):
+        channel.send(encode_header(header, b"not-the-secret" * 3), payload, 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert receiver.refusals["bad_signature"] == 1
+    assert receiver.poll("req-1").state is TransferState.PENDING  # an outsider cannot cancel the transfer
+
+
+def test_expired_lease_fails_both_sides_and_writes_nothing(transport):
+    receiver, ticket, dst = _one_receiver(transport, lease_s=0.3)
+    src, _ = make_side(1, fill=True)
+    time.sleep(0.35)
+    sender = KVSender(src.layouts[0], "m", transport)
+    sender.start(ticket, [1, 2, 3, 4])
+    sender.send_layer("req-1", 0, src.caches[0][0])
+    sender.finish("req-1", 1)
+    rx, tx = wait_terminal([lambda: receiver.poll("req-1"), lambda: sender.poll("req-1")])
+    assert rx.state is TransferState.FAILED and "lease" in rx.reason
+    assert tx.state is TransferState.FAILED and "lease" in tx.reason
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    sender.close()
+
+
+def test_corrupted_payload_fails_on_checksum(transport):
+    receiver, ticket, dst = _one_receiver(transport)
+    header = ChunkHeader(
+        kind="layer",
+        request_id="req-1",
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=0,
+        num_heads=2,
+        num_blocks=4,
+        nbytes=2 * 4 * 4 * 2 * 8 * 4,
+        checksum=12345,
+    )
+    payload = torch.ones(2, 4, 4, 2, 8).numpy().tobytes()
+    with pytest.raises(TransferRefused, match="checksum"):
+        transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), payload, 5)
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and "checksum" in status.reason
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
+def test_mismatched_layout_is_refused_at_ticket_time(transport):
+    _, ticket, _ = _one_receiver(transport)
+    for bad, match in [
+        (layout_for(1, 0, head_dim=16), "head_dim"),
+        (layout_for(1, 0, dtype="bfloat16"), "dtype"),
+        (layout_for(1, 0, block_size=8), "block size"),
+    ]:
+        with pytest.raises(TicketError, match=match):
+            KVSender(bad, "m", transport).start(ticket, [1, 2, 3, 4])
+    with pytest.raises(TicketError, match="model mismatch"):
+        KVSender(layout_for(1, 0), "other-model", transport).start(ticket, [1, 2, 3, 4])
+
+
+def test_many_concurrent_transfers(transport):
+    src, full = make_side(2, fill=True, num_blocks=64)
+    dst, _ = make_side(1, fill=False, num_blocks=64)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
+    endpoint = transport.serve(receiver)
+    senders = [KVSender(src.layouts[s], "m", transport) for s in range(2)]
+    tickets = []
+    for i in range(8):
+        ticket = make_ticket(
+            f"r{i}", transport.name, [endpoint], dst.layouts[0], "m", [40 + i * 3, 41 + i * 3, 42 + i * 3], 10, 30
+        )
+        receiver.expect(ticket)
+        tickets.append(ticket)
+    for i, ticket in enumerate(tickets):
+        for s, sender in enumerate(senders):
+            sender.start(ticket, [i * 3, i * 3 + 1, i * 3 + 2])
+    for layer in range(3):  # interleaved, as concurrent prefills would be
+        for ticket in tickets:
+            for s, sender in enumerate(senders):
+                sender.send_layer(ticket.request_id, layer, src.caches[s][layer])
+    for ticket in tickets:
+        for sender in senders:
+            sender.finish(ticket.request_id, 0)
+    states = wait_terminal([lambda t=t: receiver.poll(t.request_id) for t in tickets])
+    assert all(s.state is TransferState.DONE for s in states)
+    for i, ticket in enumerate(tickets):
+        assert_bit_exact(full, dst, [i * 3, i * 3 + 1, i * 3 + 2], ticket.block_ids, 3)
+    for sender in senders:
+        sender.close()
