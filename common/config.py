@@ -97,11 +97,24 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVConnectorConfig:
+    """A KV mover hosted on every shard (see engine.kv_connector), loaded by name."""
+
+    factory: str | None = None  # "package.module:callable"; None: no KV enters or leaves the engine
+    options: dict = field(default_factory=dict)  # msgpack-able keyword arguments for the factory
+
+    def __post_init__(self) -> None:
+        if self.factory is not None and ":" not in self.factory:
+            raise ConfigError(f"kv_connector factory={self.factory!r} must look like 'package.module:callable'")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
 
     def to_dict(self) -> dict:
         """Plain types only (msgpack/JSON-safe)."""
@@ -116,4 +129,5 @@ class EngineConfig:
             cache=CacheConfig(**data.get("cache", {})),
             scheduler=SchedulerConfig(**data.get("scheduler", {})),
             parallel=ParallelConfig(**data.get("parallel", {})),
+            kv_connector=KVConnectorConfig(**data.get("kv_connector", {})),
         )

@@ -80,15 +80,27 @@ def run_worker(rank: int, world_size: int, init_method: str, config: dict, model
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
     tp = TensorParallel.init(rank, world_size, init_method, device, engine_config.parallel.distributed_timeout_s)
+    runner = None
     try:
         runner = ModelRunner(engine_config, Path(model_dir), tp)
+        has_connector = runner.connector is not None
+        if has_connector:
+            tp.gather_bytes_to_driver((runner.connector.endpoint or "").encode())
         while True:
             message = msgpack.unpackb(tp.broadcast_bytes(None))
-            if message["op"] == "step":
-                runner.execute(StepInput.from_dict(message["step"]))
-            elif message["op"] == "shutdown":
+            op = message["op"]
+            if op == "step":
+                runner.execute(StepInput.from_dict(message["step"]), message.get("meta"))
+            elif op == "connector":  # no forward pass: only move KV bookkeeping forward
+                if runner.connector is not None:
+                    runner.connector.start_step(message.get("meta") or {})
+            elif op == "shutdown":
                 break
+            if has_connector and op in ("step", "connector"):
+                tp.gather_bytes_to_driver(runner.connector_end_step(None))
     finally:
+        if runner is not None:
+            runner.close()
         tp.destroy()
 
 
@@ -119,16 +131,37 @@ class Executor:
         self.tp = tp
         try:
             self.driver = ModelRunner(config, model_dir, tp)
+            self.has_connector = self.driver.connector is not None
+            # Every shard's KV endpoint, rank order: what a decode ticket names.
+            self.connector_endpoints: list[str] = []
+            if self.has_connector:
+                endpoints = tp.gather_bytes_to_driver((self.driver.connector.endpoint or "").encode())
+                self.connector_endpoints = [e.decode() for e in endpoints or []]
         except BaseException:
             self.shutdown()
             raise
         self._closed = False
 
-    def execute(self, step: StepInput) -> torch.Tensor | None:
+    def execute(self, step: StepInput, connector_meta: dict | None = None) -> torch.Tensor | None:
+        """The forward pass on every shard. With a connector, ``finish_step`` must follow."""
         if self.world_size > 1:
             self._check_workers()
-            self.tp.broadcast_bytes(msgpack.packb({"op": "step", "step": step.to_dict()}))
-        return self.driver.execute(step)
+            message = {"op": "step", "step": step.to_dict(), "meta": connector_meta}
+            self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
+        return self.driver.execute(step, connector_meta)
+
+    def connector_step(self, connector_meta: dict) -> None:
+        """A step without a forward pass, to register or forget transfers and poll progress."""
+        if self.world_size > 1:
+            self._check_workers()
+            self.tp.broadcast_bytes(msgpack.packb({"op": "connector", "meta": connector_meta}, use_bin_type=True))
+        assert self.driver.connector is not None
+        self.driver.connector.start_step(connector_meta)
+
+    def finish_step(self, sampled: dict[str, int] | None) -> list[dict]:
+        """Every shard's connector report for the step just run (rank order)."""
+        reports = self.tp.gather_bytes_to_driver(self.driver.connector_end_step(sampled)) or []
+        return [msgpack.unpackb(r, raw=False) if r else {} for r in reports]
 
     def _check_workers(self) -> None:
         dead = [i + 1 for i, w in enumerate(self.workers) if not w.is_alive()]
@@ -139,6 +172,8 @@ class Executor:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if getattr(self, "driver", None) is not None:
+            self.driver.close()
         if self.world_size > 1:
             try:
                 if all(w.is_alive() for w in self.workers):

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from common.config import EngineConfig, EngineRole
 from common.errors import InvalidRequestError, OverloadedError
 from common.kv_events import KVCacheEvent, PrefixCacheStats
+from common.kv_layout import KVCacheLayout
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
 from engine.executor import Executor, WorkerLauncher
-from common.kv_layout import KVCacheLayout
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_connector import model_fingerprint
+from engine.kv_handoff import KVHandoff
 from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
@@ -53,6 +55,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model.model, config.model.cache_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.model_id = model_fingerprint((self.model_dir / "config.json").read_bytes())  # what KV tickets name
         self.executor = Executor(config, self.model_dir, launcher)
         runner = self.executor.driver
         self.layout: KVCacheLayout = runner.layout
@@ -65,6 +68,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_preemptions = 0
         self._finished_outside_step: list[RequestOutput] = []
+        self.handoff = KVHandoff(config.parallel.tensor_parallel_size) if self.executor.has_connector else None
+        self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
 
     @property
     def kv_caches(self):
@@ -111,7 +116,12 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        kv_ticket: dict | None = None,
     ) -> None:
+        """Queue a request. Prefill role with a connector: ``kv_ticket`` (a kv_transfer ticket as a
+        dict) says where to push its KV, layer by layer, as its prompt is computed."""
+        if kv_ticket is not None and (self.handoff is None or self.role is not EngineRole.PREFILL):
+            raise InvalidRequestError("kv_ticket needs a prefill-role engine with a kv_connector", param="kv_ticket")
         request, text = self._new_request(request_id, prompt, params, cache_salt)
         if not self.can_accept():
             raise OverloadedError(
@@ -120,6 +130,9 @@ class LLMEngine:
             )
         self.outputs.add(request, text, _generator(request.sampling_params.seed))
         self.scheduler.add_request(request)
+        if kv_ticket is not None:
+            assert self.handoff is not None
+            self.handoff.send_on_prefill(request_id, kv_ticket)
 
     # --- the decode role's hand-off --------------------------------------------------------
     def reserve(
@@ -136,6 +149,21 @@ class LLMEngine:
             self.outputs.add(request, None, _generator(request.sampling_params.seed))
         return block_ids
 
+    @property
+    def kv_endpoints(self) -> list[str]:
+        """Decode role with a receiving connector: each shard's KV endpoint, rank order (for tickets)."""
+        return self.executor.connector_endpoints
+
+    def expect_kv(self, request_id: str, kv_ticket: dict) -> None:
+        """Decode role: KV for a reserved request will arrive through the connector under this ticket;
+        the request starts decoding by itself when every shard has it, or ends with the error."""
+        assert self.handoff is not None, "expect_kv needs an engine with a kv_connector"
+        assert request_id in self.scheduler.reserved, f"{request_id} has no reservation"
+        self.handoff.expect(request_id)
+        # Registered on every shard now, before the caller hands the ticket to prefill.
+        self.executor.connector_step({"sends": [], "expects": [kv_ticket], "forget": []})
+        self._apply_handoff(self.executor.finish_step(None))
+
     def kv_ready(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
         """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``."""
         self.outputs.record_logprob(request_id, first_logprob)
@@ -150,6 +178,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        if self.handoff is not None and request_id in self.handoff.tickets:
+            self.handoff.drop(request_id)  # aborted before its prompt was done: nothing was sent
+        if self.handoff is not None and request_id in self.handoff.sending:
+            return  # its KV is on the wire: the blocks are released when the transfer ends
         request = self.scheduler.finish_request(request_id, status, error)
         if request is not None and request_id in self.outputs.states:
             self._finished_outside_step.append(self.outputs.build(request_id))
@@ -159,12 +191,16 @@ class LLMEngine:
         results, self._finished_outside_step = self._finished_outside_step, []
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
+        meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
-            return results
+            if self.handoff is not None and (meta["sends"] or meta["expects"] or meta["forget"] or self.handoff.busy):
+                self.executor.connector_step(meta)
+                self._apply_handoff(self.executor.finish_step(None))
+            return results + self._take_finished_outside_step()
         now = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
-        logits = self.executor.execute(step_input)
+        logits = self.executor.execute(step_input, meta)
         sampled: dict[str, int] = {}
         if sampled_ids:
             assert logits is not None
@@ -182,6 +218,7 @@ class LLMEngine:
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
                 self.outputs.record_logprob(request_id, logprob)
+        reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
             new_ids, new_text, stop_hit = self.outputs.append_tokens(request.request_id)
             if stop_hit is not None and not request.is_finished:
@@ -191,7 +228,26 @@ class LLMEngine:
             if request.status is RequestStatus.FINISHED_PREFILLED:
                 output.kv_block_ids = self.kv.block_ids(request.request_id)
             results.append(output)
-        return results
+        if reports is not None:
+            self._apply_handoff(reports)
+        return results + self._take_finished_outside_step()
+
+    def _take_finished_outside_step(self) -> list[RequestOutput]:
+        finished, self._finished_outside_step = self._finished_outside_step, []
+        return finished
+
+    def _apply_handoff(self, reports: list[dict]) -> None:
+        assert self.handoff is not None
+        result = self.handoff.merge(reports)
+        for request_id, failure in result.sent:
+            if failure is not None:
+                self.transfer_failures[request_id] = failure
+                logger.warning("KV hand-off of %s failed: %s", request_id, failure)
+            self.scheduler.release(request_id)  # every shard is done reading the source blocks
+        for request_id, first_token in result.received:
+            self.kv_ready(request_id, first_token)
+        for request_id, reason in result.failed_receives:
+            self.abort_request(request_id, error=reason)
 
     # --- introspection ---------------------------------------------------------------------
     def can_accept(self) -> bool:
@@ -199,7 +255,12 @@ class LLMEngine:
         return len(self.scheduler.waiting) < self.config.scheduler.max_num_waiting
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._finished_outside_step)
+        """Requests still running or waiting, or KV hand-offs not yet terminal (keep stepping)."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._finished_outside_step)
+            or (self.handoff is not None and self.handoff.busy)
+        )
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv.pool.take_events()

@@ -6,13 +6,15 @@ import logging
 import os
 from pathlib import Path
 
+import msgpack
 import torch
 
 from common.config import EngineConfig
 from common.errors import ConfigError
+from common.kv_layout import KVCacheLayout, bytes_per_block
 from engine.attention import StepTensors, get_backend
 from engine.distributed.parallel import TensorParallel
-from common.kv_layout import KVCacheLayout, bytes_per_block
+from engine.kv_connector import KVConnector, load_connector, model_fingerprint
 from engine.models import check_tp_degree, resolve_architecture
 from engine.models.llama import LlamaForCausalLM, LlamaShape
 from engine.step_input import StepInput
@@ -85,6 +87,23 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(self.layout.layer_shape, dtype=self.dtype, device=self.device) for _ in range(shape.num_layers)
         ]
+        self.connector: KVConnector | None = None
+        if config.kv_connector.factory:
+            fingerprint = model_fingerprint((model_dir / "config.json").read_bytes())
+            self.connector = load_connector(
+                config.kv_connector.factory, config.kv_connector.options, self.layout, self.kv_caches, fingerprint
+            )
+            self.model.model.layer_hook = self.connector.after_layer
+
+    def connector_end_step(self, sampled: dict[str, int] | None) -> bytes:
+        """This shard's connector report for the step, msgpack-encoded (b"" without a connector)."""
+        if self.connector is None:
+            return b""
+        return msgpack.packb(self.connector.end_step(sampled), use_bin_type=True)
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
 
     def _plan_kv_cache(self) -> KVCacheLayout:
         cache = self.config.cache
@@ -136,11 +155,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
+    def execute(self, step: StepInput, connector_meta: dict | None = None) -> torch.Tensor | None:
         """Run one step on this shard; every shard must call it with the same input.
 
         Returns the sampled rows' logits [rows, vocab] in float32 on the driver, None elsewhere.
         """
+        if self.connector is not None:
+            self.connector.start_step(connector_meta or {})
         tensors = self._tensors(step)
         meta = self.backend.build_metadata(tensors, self.layout.block_size)
         hidden = self.model(tensors.input_ids, tensors.positions, self.kv_caches, meta)

@@ -156,7 +156,9 @@ class Scheduler:
                 continue
             request.append_output_token(sampled_token_ids[chunk.request_id])
             stop = request.check_stop(self.max_model_len)
-            if stop is None and self.role is EngineRole.PREFILL:
+            if self.role is EngineRole.PREFILL:
+                # Always hand off, even when the first token already ends the request: its KV may be
+                # on the wire, so the blocks stay held until release(); decode sees the stop itself.
                 stop = RequestStatus.FINISHED_PREFILLED
             if stop is not None:
                 self.running.remove(request)

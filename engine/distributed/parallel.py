@@ -91,6 +91,21 @@ class TensorParallel:
         dist.broadcast(buffer, src=0, group=self.cpu_group)
         return payload if self.is_driver and payload is not None else buffer.numpy().tobytes()
 
+    def gather_bytes_to_driver(self, payload: bytes) -> list[bytes] | None:
+        """Every shard's ``payload`` on rank 0 (rank order), over the CPU group; None elsewhere."""
+        if self.size == 1:
+            return [payload]
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.cpu_group)
+        longest = max(int(t.item()) for t in sizes)
+        buffer = torch.zeros(longest, dtype=torch.uint8)
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buffer[:0]
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(buffer, parts, dst=0, group=self.cpu_group)
+        if parts is None:
+            return None
+        return [part[: int(size.item())].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
+
     def destroy(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -118,12 +118,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(shape, tp, backend, dtype) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(shape.head_dim, max_positions, shape.rope, dtype)
+        self.layer_hook = None  # called as hook(i, kv_caches[i]) after layer i, e.g. to push its KV out
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, kv_cache, meta, cos_sin)
+            if self.layer_hook is not None:
+                self.layer_hook(i, kv_cache)
         return self.norm(hidden)
 
 

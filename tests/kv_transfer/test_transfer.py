@@ -176,7 +176,7 @@ def test_many_concurrent_transfers(transport):
         receiver.expect(ticket)
         tickets.append(ticket)
     for i, ticket in enumerate(tickets):
-        for s, sender in enumerate(senders):
+        for sender in senders:
             sender.start(ticket, [i * 3, i * 3 + 1, i * 3 + 2])
     for layer in range(3):  # interleaved, as concurrent prefills would be
         for ticket in tickets:

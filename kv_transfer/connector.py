@@ -1,0 +1,97 @@
+"""The engine's KV connector (engine.kv_connector) backed by kv_transfer: one per shard.
+
+A prefill shard pushes each layer of the requests whose prompt completes this step, right after
+the layer is computed; a decode shard serves a receiver and registers the tickets it expects.
+Reports (msgpack-able) tell the driver each open transfer's state on this shard.
+
+meta = {"sends":   [{"ticket": KVTicket dict, "block_ids": [...]}],   # prefill: push these
+        "expects": [KVTicket dict],                                   # decode: accept these
+        "forget":  [request_id]}                                      # terminal: drop bookkeeping
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from common.kv_layout import KVCacheLayout
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from kv_transfer.state import TransferState
+from kv_transfer.ticket import KVTicket, TicketError
+from kv_transfer.transport import get_transport
+
+
+class TransferConnector:
+    def __init__(
+        self,
+        *,
+        layout: KVCacheLayout,
+        kv_caches: list[torch.Tensor],
+        model_id: str,
+        backend: str = "shm",
+        receive: bool = False,
+        host: str = "127.0.0.1",
+        with_checksums: bool = True,
+        max_queue: int = 256,
+    ) -> None:
+        self.transport = get_transport(backend)
+        self.sender = KVSender(layout, model_id, self.transport, max_queue=max_queue, with_checksums=with_checksums)
+        self.receiver: KVReceiver | None = None
+        self.endpoint: str | None = None
+        if receive:
+            self.receiver = KVReceiver(kv_caches, layout, backend)
+            self.endpoint = self.transport.serve(self.receiver, host)
+        self._step_sends: list[str] = []
+        self._open_sends: dict[str, str | None] = {}  # request id -> refusal reason at start, if any
+        self._open_receives: set[str] = set()
+
+    def start_step(self, meta: dict[str, Any]) -> None:
+        for request_id in meta.get("forget", ()):
+            self.sender.release(request_id)
+            if self.receiver is not None:
+                self.receiver.release(request_id)
+            self._open_sends.pop(request_id, None)
+            self._open_receives.discard(request_id)
+        for ticket_dict in meta.get("expects", ()):
+            assert self.receiver is not None, "a send-only connector was asked to receive"
+            ticket = KVTicket.from_dict(ticket_dict)
+            self.receiver.expect(ticket)
+            self._open_receives.add(ticket.request_id)
+        self._step_sends = []
+        for item in meta.get("sends", ()):
+            ticket = KVTicket.from_dict(item["ticket"])
+            try:
+                self.sender.start(ticket, item["block_ids"])
+            except TicketError as exc:
+                self._open_sends[ticket.request_id] = str(exc)
+                continue
+            self._open_sends[ticket.request_id] = None
+            self._step_sends.append(ticket.request_id)
+
+    def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
+        for request_id in self._step_sends:
+            self.sender.send_layer(request_id, layer, kv_layer)
+
+    def end_step(self, sampled: dict[str, int] | None) -> dict[str, Any]:
+        for request_id in self._step_sends:
+            self.sender.finish(request_id, (sampled or {}).get(request_id))
+        self._step_sends = []
+        sends = {}
+        for request_id, refused in self._open_sends.items():
+            if refused is not None:
+                sends[request_id] = [int(TransferState.FAILED), refused]
+            else:
+                status = self.sender.poll(request_id)
+                sends[request_id] = [int(status.state), status.reason]
+        receives = {}
+        if self.receiver is not None:
+            for request_id in self._open_receives:
+                rx = self.receiver.poll(request_id)
+                receives[request_id] = [int(rx.state), rx.reason, rx.first_token_id]
+        return {"sends": sends, "receives": receives}
+
+    def close(self) -> None:
+        self.sender.close()
+        self.transport.shutdown()

@@ -1,0 +1,112 @@
+"""The engine pushing KV layer by layer during its forward pass, through the connector, into a
+decode engine on another TP degree: decoded tokens equal transformers' greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    EngineRole,
+    KVConnectorConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from engine import SamplingParams
+from engine.llm_engine import LLMEngine
+from kv_transfer import make_ticket
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+CONNECTOR = "kv_transfer.connector:TransferConnector"
+
+
+def engine(model_dir, role, tp, backend, receive=False) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(model_dir)),
+            cache=CacheConfig(kv_cache_memory=32 * 2**20),
+            scheduler=SchedulerConfig(role=role, max_prefill_chunk=24),  # several chunks per prompt
+            parallel=ParallelConfig(tensor_parallel_size=tp),
+            kv_connector=KVConnectorConfig(CONNECTOR, {"backend": backend, "receive": receive}),
+        )
+    )
+
+
+def run_pair(prefill: LLMEngine, decode: LLMEngine, backend: str, prompts: list[list[int]], lease_s=60.0):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for i, ids in enumerate(prompts):
+        request_id = f"req-{i}"
+        block_ids = decode.reserve(request_id, ids, params)
+        ticket = make_ticket(
+            request_id, backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), lease_s
+        ).to_dict()
+        decode.expect_kv(request_id, ticket)
+        prefill.add_request(request_id, ids, params, kv_ticket=ticket)
+    finished = {}
+    for _ in range(2000):
+        if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
+            break
+        prefill.step()
+        finished.update({o.request_id: o for o in decode.step() if o.finished})
+    return finished
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "backend"),
+    [(1, 1, "inproc"), (1, 1, "shm"), (3, 1, "shm"), (1, 3, "shm")],
+)
+def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backend, smol_dir, hf_smol, hf_reference):
+    prefill = engine(smol_dir, EngineRole.PREFILL, prefill_tp, backend)
+    decode = engine(smol_dir, EngineRole.DECODE, decode_tp, backend, receive=True)
+    try:
+        prompts = [prefill.tokenizer.encode(p) for p in PROMPTS[:3]]
+        prompts.append(prefill.tokenizer.encode(" ".join(PROMPTS) * 3))  # ~100 tokens: 5 chunks, 7 blocks
+        finished = run_pair(prefill, decode, backend, prompts)
+        for i, ids in enumerate(prompts):
+            output = finished[f"req-{i}"]
+            assert output.error is None, output.error
+            assert output.outputs[0].token_ids == hf_reference(hf_smol, ids, 8)
+        assert not prefill.transfer_failures
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    try:
+        ids = prefill.tokenizer.encode(PROMPTS[0])
+        params = SamplingParams(temperature=0, max_tokens=4)
+        decode.reserve("late", ids, params)
+        ticket = make_ticket(
+            "late",
+            "inproc",
+            decode.kv_endpoints,
+            decode.layout,
+            decode.model_id,
+            decode.kv.block_ids("late"),
+            len(ids),
+            0.0,
+        ).to_dict()  # already expired
+        decode.expect_kv("late", ticket)
+        prefill.add_request("late", ids, params, kv_ticket=ticket)
+        finished = {}
+        for _ in range(500):
+            if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
+                break
+            prefill.step()
+            finished.update({o.request_id: o for o in decode.step() if o.finished})
+        assert finished["late"].outputs[0].finish_reason == "error" and "lease" in finished["late"].error
+        assert "lease" in prefill.transfer_failures["late"]
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
