@@ -1,0 +1,96 @@
+"""Killing a process mid-transfer on the shared-memory backend: both sides end in a terminal state
+with the reason, within the lease, and never hang. (gRPC and torch.distributed have their own.)"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
+from kv_transfer.transport import get_transport
+from tests.kv_transfer.harness import make_side, wait_terminal
+
+BACKEND = "shm"
+
+
+def _receiver_process(backend: str, out: mp.Queue, tickets: mp.Queue) -> None:
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], backend)
+    transport = get_transport(backend)
+    out.put(transport.serve(receiver))
+    receiver.expect(KVTicket.from_dict(tickets.get(timeout=30)))
+    time.sleep(60)  # killed by the test long before
+
+
+def _sender_process(backend: str, ticket: dict, done_layers: mp.Queue) -> None:
+    src, _ = make_side(1, fill=True)
+    sender = KVSender(src.layouts[0], "m", get_transport(backend))
+    parsed = KVTicket.from_dict(ticket)
+    sender.start(parsed, [1, 2, 3, 4])
+    sender.send_layer(parsed.request_id, 0, src.caches[0][0])
+    while sender.poll(parsed.request_id).layers_sent < 1:
+        time.sleep(0.01)
+    done_layers.put(1)
+    time.sleep(60)  # killed before sending the other layers
+
+
+@pytest.mark.slow
+def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease():
+    ctx = mp.get_context("spawn")
+    endpoints, tickets = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver_process, args=(BACKEND, endpoints, tickets), daemon=True)
+    proc.start()
+    try:
+        endpoint = endpoints.get(timeout=60)
+        dst, _ = make_side(1, fill=False)
+        ticket = make_ticket("req-1", BACKEND, [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s=20)
+        tickets.put(ticket.to_dict())
+        time.sleep(0.5)  # the receiver registers the ticket
+        src, _ = make_side(1, fill=True)
+        transport = get_transport(BACKEND)
+        sender = KVSender(src.layouts[0], "m", transport)
+        sender.start(ticket, [1, 2, 3, 4])
+        sender.send_layer("req-1", 0, src.caches[0][0])
+        deadline = time.monotonic() + 10
+        while sender.poll("req-1").layers_sent < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.poll("req-1").state is TransferState.TRANSFERRING
+        proc.kill()
+        proc.join(10)
+        start = time.monotonic()
+        for layer in (1, 2):
+            sender.send_layer("req-1", layer, src.caches[0][layer])
+        sender.finish("req-1", 0)
+        (status,) = wait_terminal([lambda: sender.poll("req-1")], timeout_s=20)
+        assert status.state is TransferState.FAILED and status.reason
+        assert time.monotonic() - start < 20
+        sender.close()
+        transport.shutdown()
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry():
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], BACKEND)
+    transport = get_transport(BACKEND)
+    endpoint = transport.serve(receiver)
+    ticket = make_ticket("req-1", BACKEND, [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s=4)
+    receiver.expect(ticket)
+    ctx = mp.get_context("spawn")
+    progress = ctx.Queue()
+    proc = ctx.Process(target=_sender_process, args=(BACKEND, ticket.to_dict(), progress), daemon=True)
+    proc.start()
+    try:
+        progress.get(timeout=60)
+        assert receiver.poll("req-1").state is TransferState.TRANSFERRING
+        proc.kill()
+        proc.join(10)
+        (status,) = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=15)
+        assert status.state is TransferState.FAILED and "lease" in status.reason
+    finally:
+        proc.kill()
+        transport.shutdown()
