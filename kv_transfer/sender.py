@@ -161,8 +161,12 @@ class KVSender:
             stats.start_time = time.monotonic()
             with self._lock:
                 out.state = TransferState.TRANSFERRING
-        blocks = self._gather_blocks(kv_layer, out.src_block_index.to(kv_layer.device))
-        for seg in segments_from(layout.tp_rank, layout.tp_size, ticket.layout.tp_size, layout.total_kv_heads):
+        index = out.src_block_index.to(kv_layer.device)
+        segments = segments_from(layout.tp_rank, layout.tp_size, ticket.layout.tp_size, layout.total_kv_heads)
+        if len(segments) == 1 and self._send_whole_layer_staged(out, layer, kv_layer, index, segments[0]):
+            return self._layer_sent(out)
+        blocks = self._gather_blocks(kv_layer, index)
+        for seg in segments:
             payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
             header = ChunkHeader(
                 kind="layer",
@@ -181,9 +185,47 @@ class KVSender:
                 encode_header(header, ticket.secret), payload, self._time_left(ticket)
             )
             stats.num_bytes += len(payload)
+        self._layer_sent(out)
+
+    @staticmethod
+    def _layer_sent(out: _Outgoing) -> None:
         out.layers_sent += 1
-        if stats.first_layer_time is None:
-            stats.first_layer_time = time.monotonic()
+        assert out.stats is not None
+        if out.stats.first_layer_time is None:
+            out.stats.first_layer_time = time.monotonic()
+
+    def _send_whole_layer_staged(
+        self, out: _Outgoing, layer: int, kv_layer: torch.Tensor, index: torch.Tensor, seg
+    ) -> bool:
+        """Gather the blocks straight into the transport's staging memory (one copy fewer), when
+        the transport offers it and one receiver takes all of this shard's heads."""
+        if seg.num_heads != kv_layer.shape[3] or kv_layer.device.type != "cpu":
+            return False
+        ticket = out.ticket
+        channel = self._channel(ticket, seg.receiver_rank)
+        shape = (2, len(index), *kv_layer.shape[2:])
+        nbytes = torch.Size(shape).numel() * kv_layer.element_size()
+        staging = channel.staging(nbytes)
+        if staging is None:
+            return False
+        torch.index_select(kv_layer, 1, index, out=staging.view(kv_layer.dtype).view(shape))
+        header = ChunkHeader(
+            kind="layer",
+            request_id=ticket.request_id,
+            sender_rank=self.layout.tp_rank,
+            sender_tp=self.layout.tp_size,
+            receiver_rank=seg.receiver_rank,
+            layer=layer,
+            dst_head_offset=seg.dst_head_offset,
+            num_heads=seg.num_heads,
+            num_blocks=ticket.num_blocks,
+            nbytes=nbytes,
+            checksum=checksum(memoryview(staging.numpy())) if self.with_checksums else None,
+        )
+        channel.send_staged(encode_header(header, ticket.secret), nbytes, self._time_left(ticket))
+        assert out.stats is not None
+        out.stats.num_bytes += nbytes
+        return True
 
     def _gather_blocks(self, kv_layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The ticket's source blocks of one layer, contiguous, in reused scratch memory.

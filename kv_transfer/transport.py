@@ -10,6 +10,8 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from kv_transfer.receiver import KVReceiver
 
@@ -27,6 +29,15 @@ class KVChannel(ABC):
 
         Raises TransferRefused (the receiver said no), TimeoutError, or ConnectionError.
         """
+
+    def staging(self, nbytes: int) -> torch.Tensor | None:
+        """Optional zero-copy path: a writable uint8 CPU tensor in the transport's own memory. A sender
+        that fills it and calls ``send_staged`` saves one copy. Valid until the next send; None if absent."""
+        return None
+
+    def send_staged(self, header: bytes, nbytes: int, timeout_s: float) -> None:
+        """Like ``send``, with the payload already written into ``staging(nbytes)``."""
+        raise NotImplementedError
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the connection; idempotent."""

@@ -129,7 +129,19 @@ class _ShmChannel(KVChannel):
             self.shm = shared_memory.SharedMemory(name=f"pdkv-{uuid.uuid4().hex[:16]}", create=True, size=size)
         return self.shm
 
+    def staging(self, nbytes: int) -> torch.Tensor | None:
+        return torch.frombuffer(self._staging(nbytes).buf, dtype=torch.uint8, count=nbytes) if nbytes else None
+
     def send(self, header, payload, timeout_s):
+        nbytes = len(payload)
+        if nbytes:
+            # torch's copy is multi-threaded; a memoryview slice assignment is one plain memcpy.
+            staging = self.staging(nbytes)
+            assert staging is not None
+            staging.copy_(torch.frombuffer(payload, dtype=torch.uint8, count=nbytes))
+        self.send_staged(header, nbytes, timeout_s)
+
+    def send_staged(self, header, nbytes, timeout_s):
         if self.sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout_s)
@@ -139,15 +151,7 @@ class _ShmChannel(KVChannel):
                 sock.close()
                 raise ConnectionError(f"no KV receiver at {self.path}: {exc}") from exc
             self.sock = sock
-        nbytes = len(payload)
-        name = ""
-        if nbytes:
-            shm = self._staging(nbytes)
-            # torch's copy is multi-threaded; a memoryview slice assignment is one plain memcpy.
-            torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes).copy_(
-                torch.frombuffer(payload, dtype=torch.uint8, count=nbytes)
-            )
-            name = shm.name
+        name = self.shm.name if nbytes and self.shm is not None else ""
         self.sock.settimeout(timeout_s)
         try:
             _send_msg(self.sock, {"header": bytes(header), "shm": name, "nbytes": nbytes})
