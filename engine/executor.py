@@ -8,17 +8,21 @@ same forward pass and the logits meet on the driver.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import multiprocessing as mp
 import os
-import socket
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import msgpack
 import torch
+import torch.distributed as dist
 
 from common.config import EngineConfig
+from common.errors import ConfigError
 from engine.distributed.parallel import TensorParallel, pick_device
 from engine.model_runner import ModelRunner, check_model
 from engine.step_input import StepInput
@@ -79,7 +83,11 @@ def run_worker(rank: int, world_size: int, init_method: str, config: dict, model
     device = pick_device(engine_config.model.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
-    tp = TensorParallel.init(rank, world_size, init_method, device, engine_config.parallel.distributed_timeout_s)
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=engine_config.parallel.distributed_timeout_s)
+    store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    store.add(_JOINED_KEY, 1)
+    tp = TensorParallel.init(rank, world_size, store, device, engine_config.parallel.distributed_timeout_s)
     runner = None
     try:
         runner = ModelRunner(engine_config, Path(model_dir), tp)
@@ -104,10 +112,23 @@ def run_worker(rank: int, world_size: int, init_method: str, config: dict, model
         tp.destroy()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_JOINED_KEY = "pdserve/shards_joined"
+
+
+def _wait_for_shards(store: dist.TCPStore, workers: list[WorkerHandle], timeout_s: float) -> None:
+    """Block until every launched shard reached the store; fail fast, naming it, if one exits first."""
+    deadline = time.monotonic() + timeout_s
+    while store.add(_JOINED_KEY, 0) < len(workers):
+        dead = [rank for rank, w in enumerate(workers, start=1) if not w.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"tensor-parallel shard(s) {dead} exited during start-up (see their traceback above). When "
+                "LLM(tensor_parallel_size>1) runs from a script, guard it with `if __name__ == '__main__':` "
+                "(shards are started with multiprocessing's spawn)"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel shards did not start within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 class Executor:
@@ -116,10 +137,25 @@ class Executor:
         self.world_size = config.parallel.tensor_parallel_size
         device = pick_device(config.model.device)
         self.workers: list[WorkerHandle] = []
+        self._broken = False  # a step failed midway: shards may be stuck in a collective
         if self.world_size == 1:
             tp = TensorParallel.single(device)
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            if device.type == "cuda" and torch.cuda.device_count() < self.world_size:
+                raise ConfigError(
+                    f"tensor_parallel_size={self.world_size} needs as many GPUs; {torch.cuda.device_count()} visible"
+                )
+            timeout_s = config.parallel.distributed_timeout_s
+            # Rank 0 serves the rendezvous store on a port the OS picks: no port race.
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                self.world_size,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+            init_method = f"tcp://127.0.0.1:{store.port}"
             launcher = launcher or ProcessLauncher()
             payload = config.to_dict()
             for rank in range(1, self.world_size):
@@ -127,7 +163,12 @@ class Executor:
             torch.set_num_threads(_threads_per_shard(self.world_size))
             if device.type == "cuda":
                 device = torch.device("cuda", 0)
-            tp = TensorParallel.init(0, self.world_size, init_method, device, config.parallel.distributed_timeout_s)
+            try:
+                _wait_for_shards(store, self.workers, timeout_s)
+                tp = TensorParallel.init(0, self.world_size, store, device, timeout_s)
+            except BaseException:
+                self._kill_workers()
+                raise
         self.tp = tp
         try:
             self.driver = ModelRunner(config, model_dir, tp)
@@ -138,30 +179,46 @@ class Executor:
                 endpoints = tp.gather_bytes_to_driver((self.driver.connector.endpoint or "").encode())
                 self.connector_endpoints = [e.decode() for e in endpoints or []]
         except BaseException:
+            self._broken = True  # the shards may be inside a start-up collective: kill, do not talk
             self.shutdown()
             raise
         self._closed = False
 
     def execute(self, step: StepInput, connector_meta: dict | None = None) -> torch.Tensor | None:
         """The forward pass on every shard. With a connector, ``finish_step`` must follow."""
-        if self.world_size > 1:
-            self._check_workers()
-            message = {"op": "step", "step": step.to_dict(), "meta": connector_meta}
-            self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
-        return self.driver.execute(step, connector_meta)
+        with self._guard():
+            if self.world_size > 1:
+                message = {"op": "step", "step": step.to_dict(), "meta": connector_meta}
+                self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
+            return self.driver.execute(step, connector_meta)
 
     def connector_step(self, connector_meta: dict) -> None:
         """A step without a forward pass, to register or forget transfers and poll progress."""
-        if self.world_size > 1:
-            self._check_workers()
-            self.tp.broadcast_bytes(msgpack.packb({"op": "connector", "meta": connector_meta}, use_bin_type=True))
-        assert self.driver.connector is not None
-        self.driver.connector.start_step(connector_meta)
+        with self._guard():
+            if self.world_size > 1:
+                message = {"op": "connector", "meta": connector_meta}
+                self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
+            assert self.driver.connector is not None
+            self.driver.connector.start_step(connector_meta)
 
     def finish_step(self, sampled: dict[str, int] | None) -> list[dict]:
         """Every shard's connector report for the step just run (rank order)."""
-        reports = self.tp.gather_bytes_to_driver(self.driver.connector_end_step(sampled)) or []
+        with self._guard():
+            reports = self.tp.gather_bytes_to_driver(self.driver.connector_end_step(sampled)) or []
         return [msgpack.unpackb(r, raw=False) if r else {} for r in reports]
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Any failure or interrupt inside a step leaves the shards out of step with the driver: the
+        instance is then unusable, and shutdown kills the shards instead of talking to them."""
+        if self._broken:
+            raise RuntimeError("this model instance failed during an earlier step; restart it")
+        self._check_workers()
+        try:
+            yield
+        except BaseException:
+            self._broken = True
+            raise
 
     def _check_workers(self) -> None:
         dead = [i + 1 for i, w in enumerate(self.workers) if not w.is_alive()]
@@ -176,9 +233,14 @@ class Executor:
             self.driver.close()
         if self.world_size > 1:
             try:
-                if all(w.is_alive() for w in self.workers):
+                if not self._broken and all(w.is_alive() for w in self.workers):
                     self.tp.broadcast_bytes(msgpack.packb({"op": "shutdown"}))
+                    for worker in self.workers:
+                        worker.join(timeout_s=10)
             finally:
-                for worker in self.workers:
-                    worker.join(timeout_s=10)
-                self.tp.destroy()
+                self._kill_workers()
+                self.tp.destroy()  # local teardown only, safe once the shards are gone
+
+    def _kill_workers(self) -> None:
+        for worker in self.workers:
+            worker.join(timeout_s=0)  # kills it if it is still running

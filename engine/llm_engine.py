@@ -95,8 +95,9 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
         if len(token_ids) >= self.max_model_len:
+            limit = "context" if self.max_model_len < self.kv.capacity_tokens else "KV cache (kv_cache_memory)"
             raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but this model's context is {self.max_model_len} "
+                f"the prompt has {len(token_ids)} tokens but this instance's {limit} holds {self.max_model_len} "
                 "tokens (the prompt plus at least one generated token must fit); shorten the prompt",
                 param="prompt",
                 code="context_length_exceeded",
@@ -168,7 +169,9 @@ class LLMEngine:
         """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``."""
         self.outputs.record_logprob(request_id, first_logprob)
         request = self.scheduler.kv_ready(request_id, first_token_id)
-        if request.is_finished:  # max_tokens=1 or an end-of-sequence first token: nothing left to decode
+        if (
+            request is not None and request.is_finished
+        ):  # max_tokens=1 or an end-of-sequence first token: nothing left to decode
             new_ids, new_text, _ = self.outputs.append_tokens(request_id)
             self._finished_outside_step.append(self.outputs.build(request_id, new_ids, new_text))
 
@@ -182,13 +185,18 @@ class LLMEngine:
             self.handoff.drop(request_id)  # aborted before its prompt was done: nothing was sent
         if self.handoff is not None and request_id in self.handoff.sending:
             return  # its KV is on the wire: the blocks are released when the transfer ends
+        if self.handoff is not None and request_id in self.handoff.receiving:
+            self.handoff.receiving.discard(request_id)
+            # Every shard stops accepting this request's chunks before its blocks can be reused.
+            self.executor.connector_step({"sends": [], "expects": [], "forget": [request_id]})
+            self._apply_handoff(self.executor.finish_step(None))
         request = self.scheduler.finish_request(request_id, status, error)
         if request is not None and request_id in self.outputs.states:
             self._finished_outside_step.append(self.outputs.build(request_id))
 
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        results, self._finished_outside_step = self._finished_outside_step, []
+        results: list[RequestOutput] = []
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
         meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
@@ -196,7 +204,7 @@ class LLMEngine:
             if self.handoff is not None and (meta["sends"] or meta["expects"] or meta["forget"] or self.handoff.busy):
                 self.executor.connector_step(meta)
                 self._apply_handoff(self.executor.finish_step(None))
-            return results + self._take_finished_outside_step()
+            return self._take_finished_outside_step()
         now = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
@@ -221,16 +229,20 @@ class LLMEngine:
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
             new_ids, new_text, stop_hit = self.outputs.append_tokens(request.request_id)
-            if stop_hit is not None and not request.is_finished:
+            if stop_hit is not None:
                 request.stop_reason = stop_hit
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                if request.is_finished:  # the same token also hit max_tokens or EOS: the stop string wins
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             output = self.outputs.build(request.request_id, new_ids, new_text)
             if request.status is RequestStatus.FINISHED_PREFILLED:
                 output.kv_block_ids = self.kv.block_ids(request.request_id)
             results.append(output)
         if reports is not None:
             self._apply_handoff(reports)
-        return results + self._take_finished_outside_step()
+        # Outputs finished outside a step (aborts, KV arrivals) leave only once a step succeeded.
+        return self._take_finished_outside_step() + results
 
     def _take_finished_outside_step(self) -> list[RequestOutput]:
         finished, self._finished_outside_step = self._finished_outside_step, []

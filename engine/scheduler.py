@@ -80,9 +80,13 @@ class Scheduler:
         self.reserved[request.request_id] = request
         return self.kv.block_ids(request.request_id)
 
-    def kv_ready(self, request_id: str, first_token_id: int) -> Request:
-        """Decode role: the prompt's KV has landed in the reserved blocks; queue the request to decode."""
-        request = self.reserved.pop(request_id)
+    def kv_ready(self, request_id: str, first_token_id: int) -> Request | None:
+        """Decode role: the prompt's KV has landed in the reserved blocks; queue the request to decode.
+
+        None if the reservation is gone (aborted meanwhile): a late transfer is not an error."""
+        request = self.reserved.pop(request_id, None)
+        if request is None:
+            return None
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_computed_blocks(request)
         request.append_output_token(first_token_id)
@@ -115,6 +119,7 @@ class Scheduler:
             index += 1
 
         # Admitting while this step preempted would only thrash the blocks just freed.
+        evicted: list[str] = []
         while (
             not out.preempted_request_ids
             and self.waiting
@@ -132,8 +137,16 @@ class Scheduler:
                 self._chunk_limit(request, num_hit_tokens),
             )
             if self.kv.allocate_slots(request, num_new, hits) is None:
-                break
+                # Nothing running will ever free blocks; waiting requests that hold some (decode role:
+                # KV received, not yet admitted) give them up and recompute later, or nobody moves.
+                victim = self._waiting_block_holder(exclude=request) if not self.running else None
+                if victim is None:
+                    break
+                self._preempt_waiting(victim)
+                evicted.append(victim.request_id)
+                continue
             self.waiting.popleft()
+            self.kv.pool.record_lookup(request.num_tokens, num_hit_tokens)
             if hits:
                 request.num_computed_tokens += num_hit_tokens
                 request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
@@ -141,6 +154,7 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+        out.preempted_request_ids.extend(evicted)
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
@@ -202,6 +216,18 @@ class Scheduler:
             return
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
+
+    def _waiting_block_holder(self, exclude: Request) -> Request | None:
+        for request in reversed(self.waiting):
+            if request is not exclude and request.request_id in self.kv.req_blocks:
+                return request
+        return None
+
+    def _preempt_waiting(self, request: Request) -> None:
+        """Free a waiting request's blocks; it keeps its place in the queue and recomputes its tokens."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -128,14 +128,16 @@ class KVReceiver:
             key = (header.sender_rank, header.layer, header.dst_head_offset)
             if key not in incoming.expected:
                 self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
+            if key in incoming.landed:
+                self._refuse("duplicate", f"chunk {key} already landed")
             target = self._target_view(incoming, header, payload)
             if header.checksum is not None and checksum(payload) != header.checksum:
                 self._fail(incoming, f"checksum mismatch in layer {header.layer}")
                 self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
-        # The copy runs outside the lock: chunks of one request write disjoint heads/layers.
-        heads = slice(header.dst_head_offset, header.dst_head_offset + header.num_heads)
-        self.kv_caches[header.layer][:, :, :, heads].index_copy_(1, incoming.block_index, target)
-        with self._lock:
+            # The copy stays under the lock: once release() returns, no chunk of that request can
+            # still be writing into blocks the engine is about to reuse.
+            heads = slice(header.dst_head_offset, header.dst_head_offset + header.num_heads)
+            self.kv_caches[header.layer][:, :, :, heads].index_copy_(1, incoming.block_index, target)
             now = time.monotonic()
             stats = incoming.stats
             assert stats is not None

@@ -41,16 +41,14 @@ class TensorParallel:
         return cls(device=device)
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> TensorParallel:
-        """Join the group (every rank calls this); rendezvous through a TCP store at ``init_method``."""
+    def init(cls, rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> TensorParallel:
+        """Join the group (every rank calls this) through ``store``, which rank 0 serves."""
         if size == 1:
             return cls.single(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            backend=backend_for(device), init_method=init_method, rank=rank, world_size=size, timeout=timeout
-        )
+        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
         group = dist.group.WORLD
         cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timeout)
         return cls(rank=rank, size=size, device=device, group=group, cpu_group=cpu_group)

@@ -146,20 +146,31 @@ class BlockPool:
         """Register full, computed blocks under their hashes so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        stored = []
+        run: list[BlockHash] = []  # consecutive newly stored blocks: one event, whose parent precedes them
+        run_parent = parent
+        previous = parent
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             assert block.ref_cnt > 0, f"caching block {block.block_id} that nobody holds"
+            stored_now = False
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, f"block {block.block_id} re-cached under a new hash"
-                continue
-            block.block_hash = block_hash
-            # A duplicate (same content computed twice concurrently) stays private to its request;
-            # the first block keeps the cache entry.
-            if block_hash not in self.cached:
-                self.cached[block_hash] = block
-                stored.append(block_hash)
-        if stored:
-            self._events.append(BlockStored(tuple(stored), parent))
+            else:
+                block.block_hash = block_hash
+                # A duplicate (same content computed twice concurrently) stays private to its request;
+                # the first block keeps the cache entry.
+                if block_hash not in self.cached:
+                    self.cached[block_hash] = block
+                    stored_now = True
+            if stored_now:
+                if not run:
+                    run_parent = previous
+                run.append(block_hash)
+            elif run:
+                self._events.append(BlockStored(tuple(run), run_parent))
+                run = []
+            previous = block_hash
+        if run:
+            self._events.append(BlockStored(tuple(run), run_parent))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached-free block; refuses (False) while any block is in use."""

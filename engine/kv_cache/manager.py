@@ -56,9 +56,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.pool.record_lookup(request.num_tokens, num_hit_tokens)
-        return hits, num_hit_tokens
+        # Hit statistics are recorded by the caller once the request is admitted (a lookup may repeat).
+        return hits, len(hits) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()

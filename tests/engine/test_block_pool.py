@@ -73,8 +73,8 @@ def test_prefix_hit_and_miss(kv):
     assert [b.ref_cnt for b in hits] == [2, 2]
     miss = make_request("c", [5, *list(range(1, 10))])
     assert kv.get_computed_blocks(miss)[1] == 0
-    stats = kv.pool.stats()
-    assert stats.num_hit_tokens == 8 and stats.num_queried_tokens == 10 + 11 + 10
+    # A lookup alone records nothing: the scheduler records a request's hits once it is admitted.
+    assert kv.pool.stats().num_queried_tokens == 0
     kv.free(first)
     kv.free(second)
 
@@ -147,3 +147,19 @@ def test_integrity_detects_corruption():
     blocks[0].ref_cnt = 0  # corrupt: zero refs but not in the free queue
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_stored_events_name_the_right_parent_around_duplicates(kv):
+    # Two requests compute the same first block concurrently; the second's copy stays private.
+    a = make_request("a", list(range(8)))
+    b = make_request("b", [0, 1, 2, 3, 50, 51, 52, 53])
+    for r in (a, b):
+        assert kv.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+    kv.cache_computed_blocks(a)
+    kv.pool.take_events()
+    kv.cache_computed_blocks(b)  # b's first block duplicates a's; its second block is new
+    (event,) = kv.pool.take_events()
+    assert event == BlockStored((b.block_hashes[1],), b.block_hashes[0])
+    kv.free(a)
+    kv.free(b)

@@ -242,3 +242,39 @@ def test_bounded_waiting_queue_refuses_then_offline_api_feeds_gradually(tiny_dir
             llm.generate([[5, 6], [7, 8], [], [9, 10]], SamplingParams(max_tokens=50))
         assert engine.num_blocks_held() == 0 and not engine.has_unfinished_requests()
         engine.check_integrity()
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(engine):
+    engine.add_request("probe1", PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
+    first = run_to_completion(engine)["probe1"].outputs[0].text
+    stop = first.strip()[:3]
+    assert stop
+    engine.add_request("last", PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, stop=[stop]))
+    out = run_to_completion(engine)["last"].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == first[: first.index(stop)]
+
+
+def test_interrupted_tp_step_leaves_a_clean_shutdown(tiny_dir):
+    import time
+
+    from engine import LLM
+
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, kv_cache_memory=8 * 2**20)
+    engine = llm.engine
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4))
+    real_execute = engine.executor.driver.execute
+
+    def interrupted(*args, **kwargs):  # Ctrl-C lands after the shards got the step message
+        raise KeyboardInterrupt
+
+    engine.executor.driver.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.executor.driver.execute = real_execute
+    with pytest.raises(RuntimeError, match="restart it"):
+        engine.step()
+    start = time.monotonic()
+    llm.shutdown()  # must not wait on shards stuck in the interrupted step
+    assert time.monotonic() - start < 15
+    assert not any(w.is_alive() for w in engine.executor.workers)

@@ -177,3 +177,33 @@ def test_prefix_cache_hit_skips_computed_tokens():
     out = s.schedule()
     assert out.chunks[0].start_position == 8 and len(out.chunks[0].token_ids) == 4
     assert b.num_cached_tokens == 8
+
+
+def test_decode_role_kv_ready_requests_holding_blocks_cannot_deadlock():
+    # 4 blocks of 4 tokens: two 8-token prompts fill the cache; each then needs a fifth block.
+    s = make({"role": EngineRole.DECODE}, num_blocks=4)
+    a, b = request("a", 8, max_tokens=3), request("b", 8, max_tokens=3)
+    assert s.reserve(a) is not None and s.reserve(b) is not None
+    s.kv_ready("a", 101)
+    s.kv_ready("b", 102)
+    run_all(s, max_steps=200)
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 3
+    assert a.num_preemptions + b.num_preemptions >= 1  # one gave its blocks up and recomputed
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_kv_ready_after_abort_is_ignored():
+    s = make({"role": EngineRole.DECODE})
+    s.reserve(request("gone", 5))
+    s.finish_request("gone", RequestStatus.FINISHED_ABORTED)
+    assert s.kv_ready("gone", 7) is None
+    assert s.kv.num_held_blocks() == 0
+
+
+def test_prefix_hit_stats_count_each_admitted_request_once():
+    s = make({"max_num_seqs": 1})
+    s.add_request(request("a", 12, max_tokens=3))
+    s.add_request(request("b", 12, max_tokens=3))  # waits several steps for a seat: looked up each time
+    run_all(s)
+    stats = s.kv.pool.stats()
+    assert stats.num_queried_tokens == 24 and stats.num_hit_tokens == 8
