@@ -46,3 +46,11 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
+
+# Regenerates protos/*_pb2*.py from protos/*.proto; the grpc modules' imports are made package-relative.
+.PHONY: protos
+protos: install
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos protos/*.proto
+	for f in protos/*_pb2_grpc.py; do \
+		sed -e 's/^import \([a-z0-9_]*_pb2\) as /from protos import \1 as /' "$$f" > "$$f.tmp" && mv "$$f.tmp" "$$f"; \
+	done

@@ -139,11 +139,11 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 # Nothing running will ever free blocks; waiting requests that hold some (decode role:
                 # KV received, not yet admitted) give them up and recompute later, or nobody moves.
-                victim = self._waiting_block_holder(exclude=request) if not self.running else None
-                if victim is None:
+                holder = self._waiting_block_holder(exclude=request) if not self.running else None
+                if holder is None:
                     break
-                self._preempt_waiting(victim)
-                evicted.append(victim.request_id)
+                self._preempt_waiting(holder)
+                evicted.append(holder.request_id)
                 continue
             self.waiting.popleft()
             self.kv.pool.record_lookup(request.num_tokens, num_hit_tokens)
