@@ -1,0 +1,373 @@
+"""The gRPC backend beyond the shared transfer tests: streamed chunks, the wire format, loopback-only
+serving, payload limits, deadlines, and peers that die mid-transfer (real processes, SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import msgpack
+import pytest
+import torch
+
+from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
+from kv_transfer.backends import grpc_backend
+from kv_transfer.backends.grpc_backend import GrpcTransport
+from kv_transfer.protocol import ChunkHeader, encode_header
+from kv_transfer.transport import TransferRefused
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def transports():
+    """Server-side and client-side transports kept apart, as in two processes."""
+    made: list[GrpcTransport] = []
+
+    def make(**options) -> GrpcTransport:
+        made.append(GrpcTransport(**options))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.shutdown()
+
+
+def _layer_chunk(ticket: KVTicket, layer: int, value: float = 1.0) -> tuple[bytes, bytes]:
+    """A signed chunk for one layer of the harness's default single-shard layout."""
+    nb = ticket.num_blocks
+    payload = torch.full((2, nb, 4, 2, 8), value).numpy().tobytes()
+    header = ChunkHeader(
+        kind="layer",
+        request_id=ticket.request_id,
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=layer,
+        num_heads=2,
+        num_blocks=nb,
+        nbytes=len(payload),
+    )
+    return encode_header(header, ticket.secret), payload
+
+
+def _serve_one(transport: GrpcTransport, lease_s: float = 30.0):
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "grpc")
+    endpoint = transport.serve(receiver)
+    ticket = make_ticket("req-1", "grpc", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s)
+    receiver.expect(ticket)
+    return receiver, ticket, dst
+
+
+# --- streamed chunks and the wire format ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("piece_bytes", [1000, 16 << 10, grpc_backend.DEFAULT_PIECE_BYTES])
+def test_streamed_chunks_are_bit_exact(transports, piece_bytes):
+    # 100 tokens (7 blocks of 16) of 2 heads x 64 dims in fp32: 112 KiB per receiver shard and layer.
+    # 1000-byte pieces: 115 per chunk; 16 KiB: 7; 1 MiB: one data piece, used without assembly.
+    t = transports(piece_bytes=piece_bytes)
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        t, 1, 2, num_layers=4, total_kv_heads=4, head_dim=64, block_size=16, num_blocks=32, num_tokens=100
+    )
+    states = wait_terminal([lambda r=r: r.poll("req-1") for r in receivers] + [lambda: senders[0].poll("req-1")])
+    assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    senders[0].close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 70_000])
+def test_hand_encoded_pieces_are_protobuf_pieces(size):
+    payload = memoryview(os.urandom(size))
+    raw = list(grpc_backend._encode_pieces(b"hdr", payload, piece_bytes=1 << 20))
+    first = kv_transfer_pb2.Piece.FromString(raw[0])
+    assert (first.header, first.payload_size, first.data) == (b"hdr", size, b"")
+    assert b"".join(kv_transfer_pb2.Piece.FromString(r).data for r in raw[1:]) == bytes(payload)
+    # The server's fast path reads back exactly what protobuf would, from our pieces and from stock ones.
+    assert b"".join(_decoded_data(r) for r in raw[1:]) == bytes(payload)
+    assert _decoded_data(kv_transfer_pb2.Piece(data=bytes(payload)).SerializeToString()) == bytes(payload)
+    assert isinstance(grpc_backend._decode_piece(raw[0]), kv_transfer_pb2.Piece)
+
+
+def _decoded_data(raw: bytes) -> bytes:
+    piece = grpc_backend._decode_piece(raw)
+    return bytes(piece) if isinstance(piece, memoryview) else piece.data
+
+
+def test_generated_stub_interoperates(transports):
+    # A client of the generated code (protobuf-encoded pieces, data split oddly) against our server.
+    receiver, ticket, dst = _serve_one(transports())
+    header, payload = _layer_chunk(ticket, layer=0, value=2.0)
+    pieces = [kv_transfer_pb2.Piece(header=header, payload_size=len(payload), data=payload[:100])]
+    pieces += [kv_transfer_pb2.Piece(data=payload[i : i + 700]) for i in range(100, len(payload), 700)]
+    with grpc.insecure_channel(ticket.receiver_endpoints[0].removeprefix("grpc://")) as channel:
+        ack = kv_transfer_pb2_grpc.KVTransferStub(channel).Push(iter(pieces), timeout=5)
+    assert ack.ok, ack.reason
+    assert receiver.poll("req-1").layers_complete == 1
+    assert torch.all(dst.caches[0][0][:, [1, 2, 3, 4]] == 2.0)
+
+
+# --- serving: loopback only, bounded memory ---------------------------------------------------------
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets listening on ``port`` (Linux /proc/net, hex as the kernel writes)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_serves_on_loopback_only(transports):
+    endpoint = transports().serve(KVReceiver(*_one_shard()))
+    host, port = endpoint.removeprefix("grpc://").rsplit(":", 1)
+    assert host == "127.0.0.1"
+    socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+    if sys.platform != "linux":
+        pytest.skip("/proc/net and 127.0.0.2 are Linux-only checks")
+    # 127.0.0.1 only, as IPv4 or IPv6-mapped (gRPC may bind a dual-stack socket): no 0.0.0.0, no ::
+    listening = _listening_addresses(int(port))
+    assert listening and listening <= {"0100007F", "0000000000000000FFFF00000100007F"}, listening
+    with pytest.raises(OSError):  # the rest of 127/8 reaches this host but not this server
+        socket.create_connection(("127.0.0.2", int(port)), timeout=2).close()
+
+
+def _one_shard():
+    dst, _ = make_side(1, fill=False)
+    return dst.caches[0], dst.layouts[0]
+
+
+def test_oversized_payload_is_refused_before_allocating(transports, monkeypatch):
+    allocations: list[int] = []
+    real_allocate = grpc_backend._allocate
+    monkeypatch.setattr(grpc_backend, "_allocate", lambda n: allocations.append(n) or real_allocate(n))
+
+    # A declared size of 1 TiB (the default limit is 1 GiB) from a raw client: refused, nothing allocated.
+    receiver, ticket, _ = _serve_one(transports())
+    header, _ = _layer_chunk(ticket, layer=0)
+    huge = kv_transfer_pb2.Piece(header=header, payload_size=1 << 40)
+    with grpc.insecure_channel(ticket.receiver_endpoints[0].removeprefix("grpc://")) as channel:
+        ack = kv_transfer_pb2_grpc.KVTransferStub(channel).Push(iter([huge]), timeout=5)
+    assert not ack.ok and "exceeds" in ack.reason
+
+    # Through a channel, against a server with a small limit: TransferRefused, nothing allocated.
+    small = transports(max_payload_bytes=1024, piece_bytes=512)
+    receiver, ticket, dst = _serve_one(small)
+    header, payload = _layer_chunk(ticket, layer=0)  # 2 KiB, streamed in 512-byte pieces
+    assert len(payload) == 2048
+    with pytest.raises(TransferRefused, match="exceeds this receiver's limit of 1024"):
+        transports(piece_bytes=512).connect(ticket.receiver_endpoints[0]).send(header, payload, 5)
+    assert allocations == []
+    assert sum(receiver.refusals.values()) == 0  # the receiver never saw it
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
+def test_short_stream_is_refused_and_writes_nothing(transports):
+    receiver, ticket, dst = _serve_one(transports())
+    header, payload = _layer_chunk(ticket, layer=0)
+    pieces = [kv_transfer_pb2.Piece(header=header, payload_size=len(payload), data=payload[:1000])]
+    with grpc.insecure_channel(ticket.receiver_endpoints[0].removeprefix("grpc://")) as channel:
+        ack = kv_transfer_pb2_grpc.KVTransferStub(channel).Push(iter(pieces), timeout=5)
+    assert not ack.ok and "ended after 1000" in ack.reason
+    assert sum(receiver.refusals.values()) == 0  # the receiver never saw the partial chunk
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
+# --- deadlines and dead peers -------------------------------------------------------------------------
+
+
+class _StuckReceiver:
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def apply(self, raw_header, payload) -> None:
+        self.release.wait(10)
+
+
+def test_deadline_gives_timeout_error(transports):
+    stuck = _StuckReceiver()
+    endpoint = transports().serve(stuck)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        transports().connect(endpoint).send(b"h", b"x" * 10, 0.3)
+    assert time.monotonic() - start < 3
+    stuck.release.set()
+
+
+def test_dead_endpoint_fails_fast(transports):
+    server = transports()
+    _, ticket, _ = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    header, payload = _layer_chunk(ticket, layer=0)
+    channel.send(header, payload, 5)  # connected and working
+    server.shutdown()
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        channel.send(header, payload, 30)
+    assert time.monotonic() - start < 5, "a dead endpoint must fail fast, not wait out the deadline"
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    with pytest.raises(ConnectionError):
+        transports().connect(f"grpc://127.0.0.1:{free_port}").send(header, payload, 30)
+    assert time.monotonic() - start < 10
+
+
+def test_connect_rejects_foreign_endpoints():
+    with pytest.raises(ValueError, match="grpc://"):
+        GrpcTransport().connect("inproc://0")
+
+
+# --- peers in other processes, killed mid-transfer ---------------------------------------------------
+
+_RECEIVER_SCRIPT = """
+import sys, time, msgpack
+from kv_transfer import KVReceiver, make_ticket
+from kv_transfer.backends.grpc_backend import GrpcTransport
+from tests.kv_transfer.harness import make_side
+
+dst, _ = make_side(1, fill=False)
+receiver = KVReceiver(dst.caches[0], dst.layouts[0], "grpc")
+transport = GrpcTransport()  # held: a dropped transport's servers stop
+endpoint = transport.serve(receiver)
+ticket = make_ticket("req-1", "grpc", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, float(sys.argv[1]))
+receiver.expect(ticket)
+print(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex(), flush=True)
+time.sleep(600)
+"""
+
+_SENDER_SCRIPT = """
+import sys, time, grpc, msgpack
+from kv_transfer import KVSender, KVTicket
+from kv_transfer.backends.grpc_backend import GrpcTransport
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tests.kv_transfer.harness import make_side
+
+print("ready", flush=True)
+ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()), raw=False))
+src, _ = make_side(1, fill=True)
+sender = KVSender(src.layouts[0], "m", GrpcTransport())
+sender.start(ticket, [7, 8, 9, 10])
+for layer in (0, 1):
+    sender.send_layer("req-1", layer, src.caches[0][layer])
+while sender.poll("req-1").layers_sent < 2:
+    time.sleep(0.01)
+print("sent", flush=True)
+
+def stalled():  # a chunk that declares 1 MiB, sends 1 KiB and then never another byte
+    yield kv_transfer_pb2.Piece(header=b"h", payload_size=1 << 20)
+    yield kv_transfer_pb2.Piece(data=bytes(1024))
+    print("stalled", flush=True)
+    time.sleep(600)
+    yield kv_transfer_pb2.Piece(data=bytes(1024))
+
+channel = grpc.insecure_channel(ticket.receiver_endpoints[0].removeprefix("grpc://"))
+kv_transfer_pb2_grpc.KVTransferStub(channel).Push(stalled(), timeout=600)
+"""
+
+
+def _spawn(script: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """One line of the child's stdout, or fail (never hang) if it does not come."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not box or not box[0]:
+        proc.kill()
+        pytest.fail(f"child process gave no output within {timeout_s}s (exit code {proc.poll()})")
+    return box[0].strip()
+
+
+@pytest.fixture
+def spawn():
+    procs: list[subprocess.Popen] = []
+
+    def start(script: str, *args: str) -> subprocess.Popen:
+        procs.append(_spawn(script, *args))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_receiver_process_killed_mid_transfer(transports, spawn):
+    lease_s = 20.0
+    proc = spawn(_RECEIVER_SCRIPT, str(lease_s))
+    ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(_read_line(proc)), raw=False))
+    src, _ = make_side(1, fill=True)
+    sender = KVSender(src.layouts[0], "m", transports())
+    sender.start(ticket, [7, 8, 9, 10])
+    for layer in (0, 1):
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    deadline = time.monotonic() + 10
+    while sender.poll("req-1").layers_sent < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.poll("req-1").layers_sent == 2, sender.poll("req-1")  # the receiver acknowledged two layers
+
+    proc.kill()
+    proc.wait(10)
+    killed = time.monotonic()
+    sender.send_layer("req-1", 2, src.caches[0][2])
+    sender.finish("req-1", 1)
+    status = wait_terminal([lambda: sender.poll("req-1")], timeout_s=10)[0]
+    assert status.state is TransferState.FAILED
+    assert "ConnectionError" in status.reason, status.reason  # the dead peer, not the lease
+    assert time.monotonic() - killed < 5
+    sender.close()
+
+
+def test_sender_process_killed_mid_transfer(transports, spawn):
+    lease_s = 4.0
+    # One worker thread: a chunk left hanging by the dead sender must give it back.
+    server = transports(max_workers=1)
+    proc = spawn(_SENDER_SCRIPT)
+    assert _read_line(proc) == "ready"  # imports done: the lease starts now
+    receiver, ticket, dst = _serve_one(server, lease_s=lease_s)
+    proc.stdin.write(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex() + "\n")
+    proc.stdin.flush()
+    assert _read_line(proc) == "sent"
+    assert _read_line(proc) == "stalled"
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.TRANSFERRING and status.layers_complete == 2
+
+    proc.kill()
+    proc.wait(10)
+    remaining = ticket.lease_deadline - time.time()
+    status = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=remaining + 3)[0]
+    assert status.state is TransferState.FAILED and "lease expired" in status.reason
+    assert torch.count_nonzero(dst.caches[0][2]) == 0  # the layer never sent stays untouched
+
+    # The server's only worker is free again: a new chunk gets a verdict, not a wait.
+    header, payload = _layer_chunk(ticket, layer=2)
+    with pytest.raises(TransferRefused, match="already FAILED"):
+        transports().connect(ticket.receiver_endpoints[0]).send(header, payload, 5)
