@@ -123,6 +123,8 @@ class LLMEngine:
         dict) says where to push its KV, layer by layer, as its prompt is computed."""
         if kv_ticket is not None and (self.handoff is None or self.role is not EngineRole.PREFILL):
             raise InvalidRequestError("kv_ticket needs a prefill-role engine with a kv_connector", param="kv_ticket")
+        if kv_ticket is not None and (not isinstance(kv_ticket, dict) or kv_ticket.get("request_id") != request_id):
+            raise InvalidRequestError(f"kv_ticket is not a ticket for request {request_id!r}", param="kv_ticket")
         request, text = self._new_request(request_id, prompt, params, cache_salt)
         if not self.can_accept():
             raise OverloadedError(
@@ -160,6 +162,8 @@ class LLMEngine:
         the request starts decoding by itself when every shard has it, or ends with the error."""
         assert self.handoff is not None, "expect_kv needs an engine with a kv_connector"
         assert request_id in self.scheduler.reserved, f"{request_id} has no reservation"
+        if not isinstance(kv_ticket, dict) or kv_ticket.get("request_id") != request_id:
+            raise InvalidRequestError(f"kv_ticket is not a ticket for request {request_id!r}", param="kv_ticket")
         self.handoff.expect(request_id)
         # Registered on every shard now, before the caller hands the ticket to prefill.
         self.executor.connector_step({"sends": [], "expects": [kv_ticket], "forget": []})
@@ -258,6 +262,12 @@ class LLMEngine:
             self.scheduler.release(request_id)  # every shard is done reading the source blocks
         for request_id, first_token in result.received:
             self.kv_ready(request_id, first_token)
+        if result.failed_receives:
+            # One shard failed; others may still accept chunks. All of them stop before the blocks
+            # can be reused (reports of this extra round are dropped: open transfers report again).
+            forget = [request_id for request_id, _ in result.failed_receives]
+            self.executor.connector_step({"sends": [], "expects": [], "forget": forget})
+            self.executor.finish_step(None)
         for request_id, reason in result.failed_receives:
             self.abort_request(request_id, error=reason)
 

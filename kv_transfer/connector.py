@@ -34,7 +34,7 @@ class TransferConnector:
         receive: bool = False,
         host: str = "127.0.0.1",
         with_checksums: bool = True,
-        max_queue: int = 256,
+        max_queue: int = 1024,  # items are (request, layer) references, not copies
     ) -> None:
         self.transport = get_transport(backend)
         self.sender = KVSender(layout, model_id, self.transport, max_queue=max_queue, with_checksums=with_checksums)
@@ -46,6 +46,7 @@ class TransferConnector:
         self._step_sends: list[str] = []
         self._open_sends: dict[str, str | None] = {}  # request id -> refusal reason at start, if any
         self._open_receives: set[str] = set()
+        self._refused_receives: dict[str, str] = {}  # request id -> why its ticket was not accepted
 
     def start_step(self, meta: dict[str, Any]) -> None:
         for request_id in meta.get("forget", ()):
@@ -54,21 +55,27 @@ class TransferConnector:
                 self.receiver.release(request_id)
             self._open_sends.pop(request_id, None)
             self._open_receives.discard(request_id)
+            self._refused_receives.pop(request_id, None)
         for ticket_dict in meta.get("expects", ()):
             assert self.receiver is not None, "a send-only connector was asked to receive"
-            ticket = KVTicket.from_dict(ticket_dict)
-            self.receiver.expect(ticket)
-            self._open_receives.add(ticket.request_id)
+            request_id = str(ticket_dict.get("request_id", "?"))
+            try:
+                self.receiver.expect(KVTicket.from_dict(ticket_dict))
+            except (TicketError, KeyError, TypeError, ValueError) as exc:  # a bad ticket fails its request only
+                self._refused_receives[request_id] = f"bad ticket: {exc}"
+                continue
+            self._open_receives.add(request_id)
         self._step_sends = []
         for item in meta.get("sends", ()):
-            ticket = KVTicket.from_dict(item["ticket"])
+            request_id = str(item.get("ticket", {}).get("request_id", "?"))
             try:
+                ticket = KVTicket.from_dict(item["ticket"])
                 self.sender.start(ticket, item["block_ids"])
-            except TicketError as exc:
-                self._open_sends[ticket.request_id] = str(exc)
+            except (TicketError, KeyError, TypeError, ValueError) as exc:
+                self._open_sends[request_id] = f"bad ticket: {exc}"
                 continue
-            self._open_sends[ticket.request_id] = None
-            self._step_sends.append(ticket.request_id)
+            self._open_sends[request_id] = None
+            self._step_sends.append(request_id)
 
     def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         for request_id in self._step_sends:
@@ -85,7 +92,7 @@ class TransferConnector:
             else:
                 status = self.sender.poll(request_id)
                 sends[request_id] = [int(status.state), status.reason]
-        receives = {}
+        receives = {rid: [int(TransferState.FAILED), reason, None] for rid, reason in self._refused_receives.items()}
         if self.receiver is not None:
             for request_id in self._open_receives:
                 rx = self.receiver.poll(request_id)

@@ -38,6 +38,7 @@ class _Incoming:
     reason: str | None = None
     sender_tp: int | None = None
     expected: set[tuple[int, int, int]] = field(default_factory=set)  # (sender, layer, dst_head_offset)
+    segment_heads: dict[tuple[int, int], int] = field(default_factory=dict)  # (sender, dst offset) -> heads
     landed: set[tuple[int, int, int]] = field(default_factory=set)
     layers_landed: Counter = field(default_factory=Counter)  # layer -> segments landed
     done_from: set[int] = field(default_factory=set)
@@ -130,6 +131,8 @@ class KVReceiver:
                 self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
             if key in incoming.landed:
                 self._refuse("duplicate", f"chunk {key} already landed")
+            if header.num_heads != incoming.segment_heads[(header.sender_rank, header.dst_head_offset)]:
+                self._refuse("shape", f"chunk {key} carries {header.num_heads} heads, not the planned number")
             target = self._target_view(incoming, header, payload)
             if header.checksum is not None and checksum(payload) != header.checksum:
                 self._fail(incoming, f"checksum mismatch in layer {header.layer}")
@@ -161,10 +164,14 @@ class KVReceiver:
         if incoming.sender_tp is None:
             incoming.sender_tp = header.sender_tp
             plan = plan_transfer(header.sender_tp, self.layout.tp_size, self.layout.total_kv_heads)
-            incoming.expected = {
-                (seg.sender_rank, layer, seg.dst_head_offset)
+            incoming.segment_heads = {
+                (seg.sender_rank, seg.dst_head_offset): seg.num_heads
                 for seg in plan
                 if seg.receiver_rank == self.layout.tp_rank
+            }
+            incoming.expected = {
+                (sender, layer, offset)
+                for sender, offset in incoming.segment_heads
                 for layer in range(self.layout.num_layers)
             }
         elif header.sender_tp != incoming.sender_tp:

@@ -11,6 +11,7 @@ The source blocks stay the caller's to hold until ``poll`` says the transfer is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -27,6 +28,8 @@ from kv_transfer.ticket import KVTicket
 from kv_transfer.transport import KVChannel, KVTransport
 
 logger = logging.getLogger(__name__)
+
+_MAX_ENQUEUE_WAIT_S = 5.0
 
 
 @dataclass
@@ -71,6 +74,8 @@ class KVSender:
         self._outgoing: dict[str, _Outgoing] = {}
         self._channels: dict[str, KVChannel] = {}
         self._scratch: dict[str, torch.Tensor] = {}  # used by the sending thread only
+        self._current: str | None = None  # the request the sending thread is working on
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"kv-sender-{layout.tp_rank}", daemon=True)
         self._thread.start()
 
@@ -103,7 +108,9 @@ class KVSender:
             out = self._outgoing.get(request_id)
             if out is None:
                 return SendStatus(TransferState.FAILED, "no such transfer", 0)
-            if not out.state.is_terminal and out.ticket.is_expired():
+            # While the sending thread works on this request it may still read the source blocks:
+            # it ends the transfer itself (its send deadline is the lease), so the blocks stay held.
+            if not out.state.is_terminal and out.ticket.is_expired() and self._current != request_id:
                 self._fail(out, "lease expired before the receiver acknowledged")
             return SendStatus(out.state, out.reason, out.layers_sent)
 
@@ -116,7 +123,9 @@ class KVSender:
             self._outgoing.pop(request_id, None)
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._stopping = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)  # wakes an idle thread; a busy one sees _stopping
         self._thread.join(timeout=10)
         for channel in self._channels.values():
             channel.close()
@@ -126,22 +135,25 @@ class KVSender:
         out = self._outgoing.get(request_id)
         if out is None or out.state.is_terminal:
             return
-        timeout = max(0.0, out.ticket.lease_deadline - time.time())
+        # Called from the forward pass: wait a little for room, never for a whole lease.
+        timeout = min(_MAX_ENQUEUE_WAIT_S, max(0.0, out.ticket.lease_deadline - time.time()))
         try:
             self._queue.put(item, timeout=timeout)
         except queue.Full:
             with self._lock:
-                self._fail(out, "send queue full until the lease expired")
+                self._fail(out, f"send queue still full after {timeout:.1f} s")
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             item = self._queue.get()
             if item is None:
                 return
             kind, request_id, arg, kv_layer = item
-            out = self._outgoing.get(request_id)
-            if out is None or out.state.is_terminal:
-                continue
+            with self._lock:
+                out = self._outgoing.get(request_id)
+                if out is None or out.state.is_terminal:
+                    continue
+                self._current = request_id
             try:
                 if kind == "layer":
                     self._send_layer(out, arg, kv_layer)
@@ -151,6 +163,9 @@ class KVSender:
                 logger.warning("KV transfer of %s failed: %s", request_id, exc)
                 with self._lock:
                     self._fail(out, f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._current = None
 
     def _send_layer(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor) -> None:
         ticket = out.ticket
@@ -160,6 +175,8 @@ class KVSender:
         if stats.start_time is None:
             stats.start_time = time.monotonic()
             with self._lock:
+                if out.state.is_terminal:
+                    return
                 out.state = TransferState.TRANSFERRING
         index = out.src_block_index.to(kv_layer.device)
         segments = segments_from(layout.tp_rank, layout.tp_size, ticket.layout.tp_size, layout.total_kv_heads)

@@ -110,3 +110,36 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_malformed_ticket_fails_its_request_only(smol_dir):
+    from common.errors import InvalidRequestError
+
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    try:
+        ids = prefill.tokenizer.encode(PROMPTS[0])
+        params = SamplingParams(temperature=0, max_tokens=4)
+        decode.reserve("r", ids, params)
+        good = make_ticket(
+            "r", "inproc", decode.kv_endpoints, decode.layout, decode.model_id, decode.kv.block_ids("r"), len(ids), 30
+        ).to_dict()
+        with pytest.raises(InvalidRequestError, match="not a ticket for request 'other'"):
+            prefill.add_request("other", ids, params, kv_ticket=good)
+        broken = dict(good, receiver_endpoints=good["receiver_endpoints"] * 2)  # 2 endpoints for TP 1
+        decode.expect_kv("r", broken)  # refused by the receiver: the decode request fails, blocks freed
+        outputs = {o.request_id: o for o in decode.step()}
+        assert outputs["r"].outputs[0].finish_reason == "error" and "bad ticket" in outputs["r"].error
+        prefill.add_request("r", ids, params, kv_ticket=broken)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        assert "bad ticket" in prefill.transfer_failures["r"]
+        # Both engines keep serving.
+        prefill.add_request("next", ids, SamplingParams(max_tokens=2))
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        prefill.release("next")  # no ticket: the caller hands its KV off and releases it itself
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

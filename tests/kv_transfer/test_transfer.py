@@ -191,3 +191,22 @@ def test_many_concurrent_transfers(transport):
         assert_bit_exact(full, dst, [i * 3, i * 3 + 1, i * 3 + 2], ticket.block_ids, 3)
     for sender in senders:
         sender.close()
+
+
+def test_a_chunk_with_fewer_heads_than_planned_is_refused(transport):
+    _, ticket, dst = _one_receiver(transport)
+    header = ChunkHeader(
+        kind="layer",
+        request_id="req-1",
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=0,
+        num_heads=1,
+        num_blocks=4,
+        nbytes=2 * 4 * 4 * 1 * 8 * 4,
+    )
+    payload = torch.ones(2, 4, 4, 1, 8).numpy().tobytes()
+    with pytest.raises(TransferRefused, match="planned"):
+        transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), payload, 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
