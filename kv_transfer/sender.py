@@ -185,19 +185,7 @@ class KVSender:
         blocks = self._gather_blocks(kv_layer, index)
         for seg in segments:
             payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
-            header = ChunkHeader(
-                kind="layer",
-                request_id=ticket.request_id,
-                sender_rank=layout.tp_rank,
-                sender_tp=layout.tp_size,
-                receiver_rank=seg.receiver_rank,
-                layer=layer,
-                dst_head_offset=seg.dst_head_offset,
-                num_heads=seg.num_heads,
-                num_blocks=ticket.num_blocks,
-                nbytes=len(payload),
-                checksum=checksum(payload) if self.with_checksums else None,
-            )
+            header = self._layer_header(ticket, layer, seg, payload)
             self._channel(ticket, seg.receiver_rank).send(
                 encode_header(header, ticket.secret), payload, self._time_left(ticket)
             )
@@ -226,19 +214,7 @@ class KVSender:
         if staging is None:
             return False
         torch.index_select(kv_layer, 1, index, out=staging.view(kv_layer.dtype).view(shape))
-        header = ChunkHeader(
-            kind="layer",
-            request_id=ticket.request_id,
-            sender_rank=self.layout.tp_rank,
-            sender_tp=self.layout.tp_size,
-            receiver_rank=seg.receiver_rank,
-            layer=layer,
-            dst_head_offset=seg.dst_head_offset,
-            num_heads=seg.num_heads,
-            num_blocks=ticket.num_blocks,
-            nbytes=nbytes,
-            checksum=checksum(memoryview(staging.numpy())) if self.with_checksums else None,
-        )
+        header = self._layer_header(ticket, layer, seg, memoryview(staging.numpy()))
         channel.send_staged(encode_header(header, ticket.secret), nbytes, self._time_left(ticket))
         assert out.stats is not None
         out.stats.num_bytes += nbytes
@@ -273,6 +249,21 @@ class KVSender:
         if buf is None or buf.numel() < nbytes or buf.device != device:
             buf = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes].view(dtype).view(shape)
+
+    def _layer_header(self, ticket: KVTicket, layer: int, seg, payload: memoryview) -> ChunkHeader:
+        return ChunkHeader(
+            kind="layer",
+            request_id=ticket.request_id,
+            sender_rank=self.layout.tp_rank,
+            sender_tp=self.layout.tp_size,
+            receiver_rank=seg.receiver_rank,
+            layer=layer,
+            dst_head_offset=seg.dst_head_offset,
+            num_heads=seg.num_heads,
+            num_blocks=ticket.num_blocks,
+            nbytes=len(payload),
+            checksum=checksum(payload) if self.with_checksums else None,
+        )
 
     def _send_done(self, out: _Outgoing, first_token_id: int | None) -> None:
         ticket = out.ticket

@@ -46,8 +46,13 @@ def run_pair(prefill: LLMEngine, decode: LLMEngine, backend: str, prompts: list[
         ).to_dict()
         decode.expect_kv(request_id, ticket)
         prefill.add_request(request_id, ids, params, kv_ticket=ticket)
+    return drive(prefill, decode)
+
+
+def drive(prefill: LLMEngine, decode: LLMEngine, max_steps: int = 2000) -> dict:
+    """Step both engines until neither has work left; the decode side's finished outputs by id."""
     finished = {}
-    for _ in range(2000):
+    for _ in range(max_steps):
         if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
             break
         prefill.step()
@@ -98,12 +103,7 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
         ).to_dict()  # already expired
         decode.expect_kv("late", ticket)
         prefill.add_request("late", ids, params, kv_ticket=ticket)
-        finished = {}
-        for _ in range(500):
-            if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
-                break
-            prefill.step()
-            finished.update({o.request_id: o for o in decode.step() if o.finished})
+        finished = drive(prefill, decode, max_steps=500)
         assert finished["late"].outputs[0].finish_reason == "error" and "lease" in finished["late"].error
         assert "lease" in prefill.transfer_failures["late"]
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
