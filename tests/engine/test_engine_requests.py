@@ -278,3 +278,30 @@ def test_interrupted_tp_step_leaves_a_clean_shutdown(tiny_dir):
     llm.shutdown()  # must not wait on shards stuck in the interrupted step
     assert time.monotonic() - start < 15
     assert not any(w.is_alive() for w in engine.executor.workers)
+
+
+def _exit_at_once() -> None:
+    raise SystemExit(3)
+
+
+def test_a_shard_dying_at_start_up_is_reported_at_once(tiny_dir):
+    import multiprocessing as mp
+    import time
+
+    from engine.executor import WorkerLauncher, _ProcessHandle
+
+    class DyingLauncher(WorkerLauncher):
+        def launch(self, rank, world_size, init_method, config, model_dir):
+            process = mp.get_context("spawn").Process(target=_exit_at_once, daemon=True)
+            process.start()
+            return _ProcessHandle(process)
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_dir)),
+        cache=CacheConfig(kv_cache_memory=8 * 2**20),
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"shard\(s\) \[1\] exited during start-up"):
+        LLMEngine(config, launcher=DyingLauncher())
+    assert time.monotonic() - start < 30  # not the 300 s rendezvous timeout
