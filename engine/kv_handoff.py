@@ -50,7 +50,7 @@ class KVHandoff:
         return bool(self.sending or self.receiving or self._forget)
 
     def meta_for(self, scheduled: SchedulerOutput | None) -> dict:
-        """The connector message for the next step; consumes pending expects and forgets."""
+        """The connector message for the next step (expects are registered at once by expect_kv)."""
         sends = []
         for chunk in scheduled.chunks if scheduled is not None else ():
             if chunk.samples and chunk.request_id in self.tickets:

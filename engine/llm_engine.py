@@ -205,7 +205,7 @@ class LLMEngine:
         self.num_preemptions += len(scheduled.preempted_request_ids)
         meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
-            if self.handoff is not None and (meta["sends"] or meta["expects"] or meta["forget"] or self.handoff.busy):
+            if self.handoff is not None and (meta["sends"] or meta["forget"] or self.handoff.busy):
                 self.executor.connector_step(meta)
                 self._apply_handoff(self.executor.finish_step(None))
             return self._take_finished_outside_step()
