@@ -80,6 +80,24 @@ def test_layers_arrive_before_later_layers_are_produced(transport):
     sender.close()
 
 
+def _layer0_chunk(num_heads: int, checksum: int | None = None) -> tuple[ChunkHeader, bytes]:
+    """A hand-made layer-0 chunk of ones for the 4-block, 8-dim test layout (not from a KVSender)."""
+    payload = torch.ones(2, 4, 4, num_heads, 8).numpy().tobytes()
+    header = ChunkHeader(
+        kind="layer",
+        request_id="req-1",
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=0,
+        num_heads=num_heads,
+        num_blocks=4,
+        nbytes=len(payload),
+        checksum=checksum,
+    )
+    return header, payload
+
+
 def _one_receiver(transport, lease_s=30.0):
     dst, _ = make_side(1, fill=False)
     receiver = KVReceiver(dst.caches[0], dst.layouts[0])
@@ -92,18 +110,7 @@ def _one_receiver(transport, lease_s=30.0):
 
 def test_wrong_secret_is_refused_and_writes_nothing(transport):
     receiver, ticket, dst = _one_receiver(transport)
-    header = ChunkHeader(
-        kind="layer",
-        request_id="req-1",
-        sender_rank=0,
-        sender_tp=1,
-        receiver_rank=0,
-        layer=0,
-        num_heads=2,
-        num_blocks=4,
-        nbytes=2 * 4 * 4 * 2 * 8 * 4,
-    )
-    payload = torch.ones(2, 4, 4, 2, 8).numpy().tobytes()
+    header, payload = _layer0_chunk(num_heads=2)
     channel = transport.connect(ticket.receiver_endpoints[0])
     with pytest.raises(TransferRefused, match="signature"):
         channel.send(encode_header(header, b"not-the-secret" * 3), payload, 5)
@@ -129,19 +136,7 @@ def test_expired_lease_fails_both_sides_and_writes_nothing(transport):
 
 def test_corrupted_payload_fails_on_checksum(transport):
     receiver, ticket, dst = _one_receiver(transport)
-    header = ChunkHeader(
-        kind="layer",
-        request_id="req-1",
-        sender_rank=0,
-        sender_tp=1,
-        receiver_rank=0,
-        layer=0,
-        num_heads=2,
-        num_blocks=4,
-        nbytes=2 * 4 * 4 * 2 * 8 * 4,
-        checksum=12345,
-    )
-    payload = torch.ones(2, 4, 4, 2, 8).numpy().tobytes()
+    header, payload = _layer0_chunk(num_heads=2, checksum=12345)
     with pytest.raises(TransferRefused, match="checksum"):
         transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), payload, 5)
     status = receiver.poll("req-1")
@@ -195,18 +190,7 @@ def test_many_concurrent_transfers(transport):
 
 def test_a_chunk_with_fewer_heads_than_planned_is_refused(transport):
     _, ticket, dst = _one_receiver(transport)
-    header = ChunkHeader(
-        kind="layer",
-        request_id="req-1",
-        sender_rank=0,
-        sender_tp=1,
-        receiver_rank=0,
-        layer=0,
-        num_heads=1,
-        num_blocks=4,
-        nbytes=2 * 4 * 4 * 1 * 8 * 4,
-    )
-    payload = torch.ones(2, 4, 4, 1, 8).numpy().tobytes()
+    header, payload = _layer0_chunk(num_heads=1)
     with pytest.raises(TransferRefused, match="planned"):
         transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), payload, 5)
     assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
