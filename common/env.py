@@ -17,3 +17,9 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def run_state_file() -> Path:
+    """Where a running ``pdserve serve`` records its configuration, for ``status`` and ``scale``."""
+    configured = os.environ.get("PDSERVE_STATE_FILE")
+    return Path(configured).expanduser() if configured else cache_dir() / "run" / "cluster.json"

@@ -1,0 +1,178 @@
+"""Composition root: a ClusterConfig becomes a running Ray Serve application.
+
+    app "pdserve":  router (ingress, FastAPI) ──handles──▶ prefill (PrefillServer × N)
+                                                 └──────▶ decode  (DecodeServer × M)
+    colocated:      router ──▶ colocated (DecodeServer in the colocated role × K)
+
+Each pool replica is one model instance: a placement group with one bundle per TP shard
+(STRICT_PACK); the replica drives rank 0 from bundle 0 and hosts ranks 1..N-1 as Ray actors in
+the other bundles (cluster.ray_launcher). Pools scale independently: ``scale`` redeploys with new
+``num_replicas`` only, which Serve applies in place; a replica leaving is drained (no new
+requests; those in flight finish within ``graceful_shutdown_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cluster.cluster_config import ClusterConfig
+from cluster.ray_launcher import RayShardLauncher
+from decode_pool.server import DecodeServer
+from engine.model_loader import resolve_model_dir
+from prefill_pool.server import PrefillServer
+from router.server import RouterServer
+
+logger = logging.getLogger(__name__)
+APP_NAME = "pdserve"
+_ROUTER_CLASS = "router.serve_routing:PolicyRequestRouter"
+
+
+def cpus_needed(config: ClusterConfig) -> float:
+    return sum(
+        config.pool(p).replicas * config.pool(p).tensor_parallel_size * config.pool(p).cpus_per_shard
+        for p in config.pools()
+    )
+
+
+def start_ray(config: ClusterConfig) -> None:
+    """Join ``ray_address``, or start a local Ray with enough logical CPUs for every shard."""
+    if ray.is_initialized():
+        return
+    if config.ray_address:
+        ray.init(address=config.ray_address, namespace=APP_NAME)
+        return
+    # Logical CPUs are scheduling tokens: a laptop with 2 cores still runs a TP=3 prefill replica.
+    num_cpus = max(os.cpu_count() or 1, int(cpus_needed(config) * 2) + 2)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=APP_NAME, log_to_driver=True)
+
+
+def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
+    spec = config.pool(pool)
+    engine_config = dataclasses.replace(
+        config.engine_config(pool), model=dataclasses.replace(config.engine_config(pool).model, model=model_dir)
+    )
+    tp = spec.tensor_parallel_size
+    role = "prefill" if pool == "prefill" else "decode"
+    options = {
+        "name": pool,
+        "num_replicas": spec.replicas,
+        "max_ongoing_requests": spec.max_ongoing_requests,
+        # Bounded: beyond it the router answers 503 + Retry-After at once instead of queueing for minutes.
+        "max_queued_requests": spec.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": spec.cpus_per_shard},
+        "placement_group_bundles": [{"CPU": spec.cpus_per_shard}] * tp,
+        "placement_group_strategy": "STRICT_PACK",
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": config.router.request_timeout_s,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=_ROUTER_CLASS,
+            request_router_kwargs={
+                "policy": config.router.placement_policy,
+                "role": pool,
+                "block_size": config.block_size,
+            },
+            request_routing_stats_period_s=1.0,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    }
+    launcher = RayShardLauncher(spec.cpus_per_shard)
+    timeout_s = config.router.request_timeout_s
+    if role == "prefill":
+        server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s)
+    else:
+        server, args = DecodeServer, (engine_config.to_dict(), launcher, config.router.kv_lease_s, timeout_s)
+    return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)
+
+
+def _versioned(deployment, version: str):
+    # Serve 2.60 dropped the public `version` option but still honours one set internally: without
+    # it every serve.run gets a random version and replaces every replica, even to only rescale.
+    return deployment.options(version=version, _internal=True)
+
+
+def _version(server: type, args: tuple, options: dict) -> str:
+    """Everything but the replica count: a redeploy that changes only ``num_replicas`` keeps the
+    version, so Serve scales the pool in place instead of replacing every replica."""
+    fixed = {key: value for key, value in options.items() if key != "num_replicas"}
+    text = json.dumps([server.__qualname__, args, fixed], sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_app(config: ClusterConfig):
+    """The Serve application for ``config`` (the model is converted here, once, if needed)."""
+    model_dir = str(resolve_model_dir(config.model, None))
+    if config.mode == "disagg":
+        prefill = _pool_deployment(config, "prefill", model_dir)
+        decode = _pool_deployment(config, "decode", model_dir)
+    else:
+        prefill, decode = None, _pool_deployment(config, "colocated", model_dir)
+    router_args = (
+        config.served_name,
+        model_dir,
+        config.mode,
+        config.router.request_timeout_s,
+        config.router.max_retries,
+        config.router.max_concurrent_requests,
+    )
+    router_options = {
+        "name": "router",
+        "num_replicas": 1,
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": config.router.max_concurrent_requests * 2,
+        "graceful_shutdown_timeout_s": config.router.request_timeout_s,
+    }
+    # The pool handles are bound by deployment name, so the scalar arguments fix the version.
+    version = _version(RouterServer, (config.pools(), router_args), router_options)
+    router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
+    return router.bind(decode, prefill, *router_args)
+
+
+def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
+    """Start Ray (if needed) and Serve on host:port, deploy the app; returns the start-up seconds."""
+    started = time.monotonic()
+    start_ray(config)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    if blocking_ready:
+        wait_ready(config.router.request_timeout_s)
+    return time.monotonic() - started
+
+
+def wait_ready(timeout_s: float) -> None:
+    """Wait until every deployment of the app is healthy; fail naming the one that is not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(APP_NAME)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            details = {name: d.message for name, d in status.deployments.items() if d.message}
+            raise RuntimeError(f"pdserve failed to start: {status.message or details}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pdserve was not ready within {timeout_s:.0f} s: {status}")
+        time.sleep(0.25)
+
+
+def http_port() -> int:
+    """The port Serve's HTTP proxy listens on (port 0 in the config: the one it picked)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().http_config.port
+
+
+def shutdown() -> None:
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

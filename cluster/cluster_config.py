@@ -1,0 +1,308 @@
+"""The cluster's configuration: one home, loaded from YAML (``cluster.yaml``) plus ``--set key=value`` overrides.
+
+Every validation message starts with the key it is about (``tensor_parallel_size=0 must be >= 1``); the loader
+prefixes the section, so a user reads ``prefill.tensor_parallel_size=0 must be >= 1``. Unknown keys and wrong
+types are refused by the loader with the full key path, the expected type and, for typos, the closest known key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+
+import yaml
+
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    EngineRole,
+    KVConnectorConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from common.errors import ConfigError
+
+MODES = ("disagg", "colocated")
+TRANSPORTS = ("shm", "grpc", "torch")  # kv_transfer backends that cross process boundaries ("inproc" does not)
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+KV_CONNECTOR = "kv_transfer.connector:TransferConnector"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of identical replicas; each replica is ``tensor_parallel_size`` shards."""
+
+    replicas: int = 1
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None
+    max_num_waiting: int = 256
+    cpus_per_shard: float = 1.0  # Ray CPUs per TP shard (one placement-group bundle each)
+    max_ongoing_requests: int = 256  # Serve's per-replica cap; beyond it callers queue (back-pressure)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas={self.replicas} must be >= 1 (a pool starts with at least one replica)")
+        if not self.cpus_per_shard > 0:
+            raise ConfigError(f"cpus_per_shard={self.cpus_per_shard} must be > 0 (e.g. 1.0)")
+        if self.max_ongoing_requests < 1:
+            raise ConfigError(f"max_ongoing_requests={self.max_ongoing_requests} must be >= 1")
+        ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        self.scheduler_config(EngineRole.COLOCATED)
+
+    def scheduler_config(self, role: EngineRole) -> SchedulerConfig:
+        return SchedulerConfig(
+            role=role,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk=self.max_prefill_chunk,
+            max_num_waiting=self.max_num_waiting,
+        )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    placement_policy: str = "least_loaded"  # the router's registry checks the name
+    request_timeout_s: float = 600.0
+    kv_lease_s: float = 30.0  # how long a decode reservation waits for its KV before it is released
+    max_concurrent_requests: int = 1024  # admission control: beyond it the router answers 503
+    max_retries: int = 1  # prefill retries / decode resumes per request
+
+    def __post_init__(self) -> None:
+        if not self.placement_policy:
+            raise ConfigError("placement_policy='' is empty; name a policy such as 'least_loaded'")
+        for key in ("request_timeout_s", "kv_lease_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be > 0 seconds")
+        if self.max_concurrent_requests < 1:
+            raise ConfigError(f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
+        if self.max_retries < 0:
+            raise ConfigError(f"max_retries={self.max_retries} must be >= 0 (0 disables retries)")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: str = "disagg"  # disagg: separate prefill and decode pools; colocated: one pool does both
+    model: str | None = None  # None: the default model; else a HF directory or a .gguf file
+    served_model_name: str | None = None  # the `model` clients pass; None: derived (see served_name)
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: float | int = 256 * 2**20  # per shard: a fraction in (0, 1] or bytes
+    enable_prefix_caching: bool = True
+    transport: str = "shm"  # KV transport between pools
+    kv_checksums: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: pick a free port
+    ray_address: str | None = None  # None: start a local Ray
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    colocated: PoolConfig = field(default_factory=PoolConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not supported; use one of {', '.join(MODES)}")
+        if self.transport == "inproc":
+            raise ConfigError(f"transport='inproc' cannot cross processes; use one of {', '.join(TRANSPORTS)}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport={self.transport!r} is not supported; use one of {', '.join(TRANSPORTS)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port} must be in 0..65535 (0 picks a free port)")
+        if not self.host:
+            raise ConfigError("host='' is empty; use e.g. '127.0.0.1' or '0.0.0.0'")
+        if self.served_model_name == "":
+            raise ConfigError("served_model_name='' is empty; give a name or leave it unset to derive one")
+        for key, cls in (("prefill", PoolConfig), ("decode", PoolConfig), ("colocated", PoolConfig)):
+            if not isinstance(getattr(self, key), cls):
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be a {cls.__name__}")
+        if not isinstance(self.router, RouterConfig):
+            raise ConfigError(f"router={self.router!r} must be a RouterConfig")
+        self._model_config()
+        self._cache_config()
+
+    def _model_config(self) -> ModelConfig:
+        return ModelConfig(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len)
+
+    def _cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def pools(self) -> list[str]:
+        return ["prefill", "decode"] if self.mode == "disagg" else ["colocated"]
+
+    def pool(self, name: str) -> PoolConfig:
+        if name not in self.pools():
+            raise ConfigError(f"pool {name!r} is not part of mode={self.mode!r}; its pools are {self.pools()}")
+        return getattr(self, name)
+
+    def engine_config(self, pool: str) -> EngineConfig:
+        """The engine configuration of one replica of ``pool`` (one of ``pools()``)."""
+        spec = self.pool(pool)
+        connector = KVConnectorConfig()
+        if self.mode == "disagg":
+            options = {"backend": self.transport, "receive": pool == "decode", "with_checksums": self.kv_checksums}
+            connector = KVConnectorConfig(KV_CONNECTOR, options)
+        return EngineConfig(
+            model=self._model_config(),
+            cache=self._cache_config(),
+            scheduler=spec.scheduler_config(EngineRole(pool)),
+            parallel=ParallelConfig(tensor_parallel_size=spec.tensor_parallel_size),
+            kv_connector=connector,
+        )
+
+    @property
+    def served_name(self) -> str:
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_SERVED_NAME
+        name = Path(self.model).name
+        return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+    def to_dict(self) -> dict:
+        """Plain types only (YAML/JSON/msgpack-safe); ``from_dict`` reads it back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object], source: str = "the cluster config") -> ClusterConfig:
+        return _build(cls, data, "", source)
+
+
+def load_cluster_config(path: str | Path | None = None, overrides: Mapping[str, object] | None = None) -> ClusterConfig:
+    """Read ``path`` (YAML; None: defaults only), apply dotted-key ``overrides`` and validate the result."""
+    data: dict = {}
+    source = "the cluster config"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"cluster config file {source} does not exist; check the path") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read cluster config file {source}: {exc}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or exc
+            raise ConfigError(f"{source} is not valid YAML{where}: {problem}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{source} must hold a mapping of keys at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    return _build(ClusterConfig, data, "", source)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``"prefill.replicas=2"`` -> ``("prefill.replicas", 2)``; the value is read as YAML (numbers, bools, null)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r} must look like key=value (e.g. prefill.replicas=2)")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _hints(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown(key: object, known: list[str], section: str, source: str) -> ConfigError:
+    path = f"{section}.{key}" if section else str(key)
+    close = difflib.get_close_matches(str(key), known, n=1)
+    if close:
+        suggestion = f"{section}.{close[0]}" if section else close[0]
+        return ConfigError(f"unknown key '{path}' in {source}; did you mean '{suggestion}'?")
+    under = f" under '{section}'" if section else ""
+    return ConfigError(f"unknown key '{path}' in {source}; allowed keys{under}: {', '.join(known)}")
+
+
+def _set_dotted(data: dict, key: str, value: object) -> None:
+    parts = key.split(".")
+    cls: type = ClusterConfig
+    node = data
+    for depth, part in enumerate(parts):
+        section = ".".join(parts[:depth])
+        hints = _hints(cls)
+        if part not in hints:
+            raise _unknown(part, list(hints), section, f"override '{key}'")
+        if depth == len(parts) - 1:
+            if isinstance(value, Mapping) and isinstance(node.get(part), dict):
+                for sub_key, sub_value in value.items():
+                    _set_dotted(data, f"{key}.{sub_key}", sub_value)
+            else:
+                node[part] = value
+            return
+        hint = hints[part]
+        if not (isinstance(hint, type) and is_dataclass(hint)):
+            raise ConfigError(f"override '{key}': '{_join(section, part)}' is a value, not a section")
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{_join(section, part)}: expected a mapping, got {child!r} ({type(child).__name__})")
+        node, cls = child, hint
+
+
+def _join(section: str, key: object) -> str:
+    return f"{section}.{key}" if section else str(key)
+
+
+def _check_type(value: object, hint: object, path: str, source: str) -> object:
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    for kind in allowed:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if isinstance(value, bool):
+            continue
+        if kind is int and isinstance(value, int):
+            return value
+        if kind is float and isinstance(value, int | float):
+            return value if int in allowed else float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    expected = " or ".join("null" if kind is type(None) else getattr(kind, "__name__", str(kind)) for kind in allowed)
+    raise ConfigError(f"{path}: expected {expected}, got {value!r} ({type(value).__name__}) in {source}")
+
+
+def _build(cls: type, data: object, section: str, source: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        where = f"'{section}'" if section else "the top level"
+        raise ConfigError(f"{where} of {source} must be a mapping of keys, got {data!r} ({type(data).__name__})")
+    hints = _hints(cls)
+    kwargs: dict[str, object] = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise _unknown(key, list(hints), section, source)
+        hint = hints[key]
+        path = _join(section, key)
+        if isinstance(hint, type) and is_dataclass(hint):
+            kwargs[key] = _build(hint, value, path, source)
+        else:
+            kwargs[key] = _check_type(value, hint, path, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if not section:
+            raise
+        raise ConfigError(f"{section}.{exc}") from None

@@ -1,0 +1,213 @@
+"""``pdserve serve | status | scale``: run a cluster, look at it, resize its pools.
+
+``serve`` records the running configuration in ``common.env.run_state_file()``; ``status`` asks the
+router over HTTP; ``scale`` joins the running Ray cluster and redeploys with new replica counts,
+which Serve applies in place (replicas leaving are drained first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from cluster.cluster_config import ClusterConfig, load_cluster_config, parse_override
+from common import env
+from common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# CLI flag -> dotted config key (flags override the file; --set overrides anything).
+FLAG_KEYS = {
+    "mode": "mode",
+    "model": "model",
+    "host": "host",
+    "port": "port",
+    "dtype": "dtype",
+    "transport": "transport",
+    "kv_cache_memory": "kv_cache_memory",
+    "prefill_replicas": "prefill.replicas",
+    "decode_replicas": "decode.replicas",
+    "prefill_tp": "prefill.tensor_parallel_size",
+    "decode_tp": "decode.tensor_parallel_size",
+    "replicas": "colocated.replicas",
+    "tp": "colocated.tensor_parallel_size",
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="cluster YAML (see cluster.example.yaml)")
+    parser.add_argument("--mode", choices=["disagg", "colocated"])
+    parser.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--transport", choices=["shm", "grpc", "torch"], help="KV transport between pools")
+    parser.add_argument("--kv-cache-memory", type=float, help="per shard: a fraction in (0, 1] or bytes")
+    parser.add_argument("--prefill-replicas", type=int)
+    parser.add_argument("--decode-replicas", type=int)
+    parser.add_argument("--prefill-tp", type=int, help="tensor-parallel degree of each prefill replica")
+    parser.add_argument("--decode-tp", type=int, help="tensor-parallel degree of each decode replica")
+    parser.add_argument("--replicas", type=int, help="colocated mode: replicas of the one pool")
+    parser.add_argument("--tp", type=int, help="colocated mode: tensor-parallel degree")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key, dotted")
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    overrides: dict[str, Any] = {}
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            if flag == "kv_cache_memory" and value > 1:
+                value = int(value)
+            overrides[key] = value
+    for item in args.set:
+        key, value = parse_override(item)
+        overrides[key] = value
+    return load_cluster_config(args.config, overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster import app
+
+    config = config_from_args(args)
+
+    def _terminate(signum, frame):  # SIGTERM takes the same clean path as Ctrl-C
+        raise KeyboardInterrupt
+
+    try:
+        seconds = app.deploy(config)
+        signal.signal(signal.SIGTERM, _terminate)  # after ray.init, which installs a handler of its own
+        port = app.http_port()
+        _write_state(config, port)
+        print(
+            f"pdserve ({config.mode}) serving {config.served_name} at http://{config.host}:{port}/v1 "
+            f"— ready in {seconds:.1f} s. Ctrl-C stops it.",
+            flush=True,
+        )
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # A second Ctrl-C must not cut the shutdown short and leave Ray processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("pdserve: shutting down", flush=True)
+        env.run_state_file().unlink(missing_ok=True)
+        app.shutdown()
+    return 0
+
+
+def _write_state(config: ClusterConfig, port: int) -> None:
+    path = env.run_state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": config.to_dict(), "port": port}))
+
+
+def _read_state() -> dict:
+    path = env.run_state_file()
+    if not path.exists():
+        raise ConfigError(f"no running pdserve found ({path} is missing); start one with `pdserve serve`")
+    return json.loads(path.read_text())
+
+
+def _router_url(args: argparse.Namespace) -> str:
+    if args.url:
+        return args.url.rstrip("/")
+    state = _read_state()
+    host = state["config"]["host"]
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{host}:{state['port']}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    url = _router_url(args) + "/pdserve/status"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            status = json.loads(response.read())
+    except (urllib.error.URLError, OSError) as exc:
+        raise ConfigError(f"cannot reach the router at {url}: {exc}") from None
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"mode {status['mode']}  model {status['model']}  in flight {status['in_flight']}")
+    print(f"{'pool':<10} {'replica':<12} {'running':>7} {'waiting':>7} {'reserved':>8} {'KV used':>8} {'held':>5}")
+    for pool, reports in status["pools"].items():
+        for r in reports:
+            used = 1 - r["num_kv_blocks_free"] / r["num_kv_blocks_total"] if r["num_kv_blocks_total"] else 0.0
+            print(
+                f"{pool:<10} {r['replica_id']:<12} {r['num_running']:>7} {r['num_waiting']:>7} "
+                f"{r['num_reserved']:>8} {used:>7.0%} {r['num_blocks_held']:>5}"
+            )
+    metrics = status.get("metrics", {})
+    print({k: v for k, v in metrics.items() if v is not None})
+    return 0
+
+
+def parse_scale(items: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        pool, sep, value = item.partition("=")
+        if not sep or pool not in ("prefill", "decode", "colocated") or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"cannot read {item!r}: write pool=N with pool prefill, decode or colocated and N >= 1")
+        counts[pool] = int(value)
+    if not counts:
+        raise ConfigError("say what to scale, e.g. `pdserve scale prefill=2 decode=1`")
+    return counts
+
+
+def scaled(config: ClusterConfig, counts: dict[str, int]) -> ClusterConfig:
+    changes = {}
+    for pool, replicas in counts.items():
+        config.pool(pool)  # refuses a pool the running mode does not have
+        changes[pool] = dataclasses.replace(config.pool(pool), replicas=replicas)
+    return dataclasses.replace(config, **changes)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster import app
+
+    counts = parse_scale(args.pools)
+    state = _read_state()
+    config = scaled(ClusterConfig.from_dict(state["config"]), counts)
+    ray.init(address=config.ray_address or "auto", namespace=app.APP_NAME, log_to_driver=False)
+    serve.run(app.build_app(config), name=app.APP_NAME, route_prefix="/", blocking=False)
+    app.wait_ready(config.router.request_timeout_s)
+    _write_state(config, state["port"])
+    print("scaled: " + ", ".join(f"{pool}={config.pool(pool).replicas}" for pool in config.pools()))
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    serve_parser = sub.add_parser("serve", help="run the cluster: router + pools on Ray Serve (OpenAI API)")
+    add_serve_arguments(serve_parser)
+    serve_parser.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser("status", help="each pool's replicas with their load and KV usage")
+    status.add_argument("--url", help="router URL (default: the running `pdserve serve`)")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    scale = sub.add_parser("scale", help="resize pools of the running cluster, e.g. prefill=2 decode=1")
+    scale.add_argument("pools", nargs="+", metavar="POOL=N")
+    scale.set_defaults(func=cmd_scale)
+
+
+def state_path() -> Path:
+    return env.run_state_file()
+
+
+if __name__ == "__main__":
+    sys.exit(0)

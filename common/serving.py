@@ -1,0 +1,96 @@
+"""Messages between the router and the pools (Ray Serve calls). Torch-free, plain types only.
+
+    router ──ServeRequest──▶ decode replica  .generate()  ─▶ TicketIssued, then StreamDelta…
+    router ──ServeRequest(kv_ticket)──▶ prefill replica .prefill() ─▶ PrefillResult
+    every replica ──ReplicaReport──▶ Serve controller ─▶ the router's placement policy
+
+Each message is sent whole once; token streams carry deltas only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from common.outputs import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class ServeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams.to_dict()
+    cache_salt: str | None = None
+    kv_ticket: dict[str, Any] | None = None  # prefill only: where to push the KV
+    deadline_s: float | None = None  # time.time() after which the request is no longer wanted
+
+
+@dataclass(frozen=True, slots=True)
+class TicketIssued:
+    """First item of a disaggregated decode stream: blocks are reserved, send the prompt's KV here."""
+
+    request_id: str
+    ticket: dict[str, Any]  # kv_transfer.KVTicket.to_dict()
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """What one engine step added to a request. The last one has ``finish_reason`` set."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob] | None = None  # one per new token when asked for
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    replica_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A prefill replica's answer once the prompt is computed and its KV hand-off has ended."""
+
+    request_id: str
+    first_token_id: int | None
+    num_cached_tokens: int
+    error: str | None = None  # the hand-off failed; the decode side ends the request too
+    replica_id: str = ""
+    first_logprob: TokenLogprob | None = None  # when asked for: the decode side does not get it
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """One replica's load and cache state, refreshed every second or so.
+
+    Carries what both the least-loaded policy and the cache-aware one need: queue lengths,
+    KV blocks free, and the prefix blocks it cached lately (hashes as hex strings).
+    """
+
+    replica_id: str
+    role: str  # prefill | decode | colocated
+    num_running: int = 0
+    num_waiting: int = 0
+    num_reserved: int = 0  # decode: blocks held for KV still arriving
+    num_kv_blocks_free: int = 0
+    num_kv_blocks_total: int = 0
+    num_blocks_held: int = 0  # referenced by requests (prefix-cached free blocks excluded)
+    max_model_len: int = 0
+    draining: bool = False
+    pid: int = 0  # the replica's process (rank 0), for operators
+    recent_block_hashes: list[str] = field(default_factory=list)
+    prefix_cache_hit_rate: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return 0.0 if not self.num_kv_blocks_total else 1.0 - self.num_kv_blocks_free / self.num_kv_blocks_total
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaReport:
+        return cls(**data)

@@ -1,0 +1,1 @@
+"""The decode pool: reservations, KV receiver, continuous decode batching, token streams."""

@@ -1,0 +1,1 @@
+"""The prefill pool: prompts in, KV pushed layer by layer to the decode replica that reserved it."""

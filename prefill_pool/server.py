@@ -1,0 +1,81 @@
+"""The prefill pool's replica (a Ray Serve deployment class; cluster.app applies the options).
+
+A request's life on a prefill replica::
+
+    WAITING ──▶ PREFILLING (chunked; each layer's KV pushed as computed) ──▶ SENDING ──▶ DONE
+       │                                                         │ receiver gone, lease, checksum
+       ▼ cancelled by the router                                 ▼
+    ABORTED (nothing sent)                                    FAILED (source blocks released)
+
+``prefill`` returns once the hand-off has ended, with the first sampled token (the decode replica
+gets it inside the KV completion message too) or the reason it failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+
+from common.config import EngineConfig
+from common.errors import InvalidRequestError, OverloadedError
+from common.sampling_params import SamplingParams
+from common.serving import PrefillResult, ServeRequest
+from engine.async_engine import AsyncEngine
+from engine.executor import WorkerLauncher
+from engine.llm_engine import LLMEngine
+from engine.replica import EngineReplica, serve_replica_id
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillState(str, enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    SENDING = "sending"
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class PrefillServer(EngineReplica):
+    def __init__(self, engine_config: dict, launcher: WorkerLauncher | None = None, timeout_s: float = 600.0) -> None:
+        super().__init__(AsyncEngine(LLMEngine(EngineConfig.from_dict(engine_config), launcher)), serve_replica_id())
+        self.timeout_s = timeout_s
+        logger.info("prefill replica %s ready", self.replica_id)
+
+    async def prefill(self, request: ServeRequest) -> PrefillResult:
+        request_id = request.request_id
+        if request.kv_ticket is None:
+            return PrefillResult(request_id, None, 0, "invalid_request: a prefill needs a kv_ticket", self.replica_id)
+        loop = asyncio.get_running_loop()
+
+        def add(engine: LLMEngine) -> asyncio.Future:
+            done = self.engine.watch_handoff(engine, request_id, loop)
+            engine.add_request(
+                request_id, request.prompt_token_ids, params, request.cache_salt, kv_ticket=request.kv_ticket
+            )
+            return done
+
+        try:
+            params = SamplingParams.from_dict(request.sampling)
+            done = await self.engine.call(add)
+            output, failure = await asyncio.wait_for(done, self.timeout_s)
+        except (InvalidRequestError, OverloadedError) as exc:
+            self.engine.abort_soon(request_id)
+            kind = "overloaded" if isinstance(exc, OverloadedError) else "invalid_request"
+            return PrefillResult(request_id, None, 0, f"{kind}: {exc}", self.replica_id)
+        except BaseException:  # cancelled by the router, timed out, engine gone: stop computing it
+            self.engine.abort_soon(request_id)
+            raise
+        if output is None:
+            return PrefillResult(request_id, None, 0, failure or "prefill failed", self.replica_id)
+        completion = output.outputs[0]
+        return PrefillResult(
+            request_id,
+            completion.token_ids[0] if completion.token_ids else None,
+            output.num_cached_tokens,
+            failure,
+            self.replica_id,
+            first_logprob=completion.logprobs[0] if completion.logprobs else None,
+        )

@@ -1,0 +1,1 @@
+"""The HTTP front door: OpenAI wire format, placement across replicas, and the disaggregated flow."""

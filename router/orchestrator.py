@@ -1,0 +1,305 @@
+"""One request's way through the pools, with retries and resumption.
+
+Disaggregated::
+
+    decode.generate(req) ──▶ TicketIssued ──▶ prefill.prefill(req + ticket)     (concurrently)
+                         ──▶ StreamDelta, StreamDelta, … (finish_reason on the last)
+
+Colocated: ``decode.generate(req)`` on the colocated pool yields the deltas directly.
+
+Failures (each attempt is a fresh request id on the pools, ``<id>.<attempt>``):
+- a prefill replica dies, or the KV hand-off fails: nothing reached the client yet, so the
+  attempt's decode reservation is cancelled (its blocks are freed) and the request starts over;
+- a decode replica dies mid-stream: the request resumes elsewhere as prompt + tokens already sent,
+  asking for the remaining ``max_tokens`` — greedy output continues token for token. Requests
+  with stop strings cannot resume (text held back for stop matching died with the replica), so
+  they end with an error event, as does any request past ``max_retries``.
+The pools are reached only through their handles (Ray Serve DeploymentHandles in production).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from opentelemetry import trace
+
+from common.errors import InvalidRequestError, OverloadedError
+from common.sampling_params import SamplingParams
+from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
+
+logger = logging.getLogger(__name__)
+# Spans: pdserve.request ⊃ pdserve.attempt (events: kv_ticket, prefill_done, first_token). A no-op
+# unless the process installs a TracerProvider.
+_tracer = trace.get_tracer("pdserve.router")
+
+
+class ReplicaLost(Exception):
+    """A pool replica died or vanished during an attempt (retryable before any token was sent)."""
+
+
+class AttemptFailed(Exception):
+    """The attempt failed for a reason another replica may not have (e.g. the KV hand-off)."""
+
+
+def _is_replica_loss(exc: BaseException) -> bool:
+    try:
+        from ray import exceptions as ray_exceptions
+    except ImportError:  # pragma: no cover - Ray is always installed with the router
+        return False
+    lost = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, ray_exceptions.WorkerCrashedError)
+    return isinstance(exc, lost) and not isinstance(exc, ray_exceptions.RayTaskError)
+
+
+def raise_for_pool_error(error: str) -> None:
+    """Pools report request-level refusals as 'kind: message' strings; turn them back into errors."""
+    kind, _, message = error.partition(": ")
+    if kind == "invalid_request":
+        raise InvalidRequestError(message)
+    if kind == "overloaded":
+        raise OverloadedError(message)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        decode: Any,
+        prefill: Any | None,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 1,
+        detokenize: Callable[[list[int], bool], str] | None = None,
+    ) -> None:
+        self.decode = decode
+        self.prefill = prefill  # None: colocated
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.detokenize = detokenize  # (ids, skip_special_tokens) -> text; for resumed streams
+        self.num_retries = 0
+        self.num_resumes = 0
+
+    async def run(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """Yield the request's deltas; the last has ``finish_reason`` set. Refusals before the first
+        delta raise (InvalidRequestError, OverloadedError) so the caller can answer with a status."""
+        deadline = time.monotonic() + self.request_timeout_s
+        span = _tracer.start_span("pdserve.request", attributes={"request_id": request_id})
+        try:
+            # aclosing: a client gone mid-stream closes the pool calls now, not at garbage collection.
+            async with contextlib.aclosing(
+                self._run(request_id, prompt_token_ids, params, cache_salt, deadline, span)
+            ) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            span.end()
+
+    async def _run(
+        self, request_id, prompt_token_ids, params, cache_salt, deadline, span
+    ) -> AsyncGenerator[StreamDelta, None]:
+        sent_ids: list[int] = []
+        text = _ResumedText(self.detokenize, prompt_token_ids, params.skip_special_tokens)
+        attempt = 0
+        while True:
+            remaining = params.max_tokens - len(sent_ids)
+            attempt_params = dataclasses.replace(params, max_tokens=remaining) if sent_ids else params
+            request = ServeRequest(
+                request_id=f"{request_id}.{attempt}",
+                prompt_token_ids=prompt_token_ids + sent_ids,
+                sampling=attempt_params.to_dict(),
+                cache_salt=cache_salt,
+                deadline_s=time.time() + max(deadline - time.monotonic(), 0.0),
+            )
+            resumed = bool(sent_ids)
+            span.set_attribute("attempts", attempt + 1)
+            try:
+                async with contextlib.aclosing(self._attempt(request, deadline, span)) as attempt_deltas:
+                    async for delta in attempt_deltas:
+                        if delta.error is not None:
+                            if not sent_ids:
+                                raise_for_pool_error(delta.error)  # refusals: the caller answers with a status
+                            raise AttemptFailed(delta.error)
+                        sent_ids.extend(delta.new_token_ids)
+                        new_text = text.after(sent_ids, delta) if resumed else text.sent(delta.new_text)
+                        yield dataclasses.replace(
+                            delta, request_id=request_id, num_prompt_tokens=len(prompt_token_ids), new_text=new_text
+                        )
+                return
+            except (InvalidRequestError, OverloadedError):
+                raise
+            except Exception as exc:
+                if not isinstance(exc, (ReplicaLost, AttemptFailed)):
+                    if _is_backpressure(exc) and not sent_ids:
+                        raise OverloadedError("every replica's queue is full; retry later") from exc
+                    logger.exception("request %s: attempt %d failed", request_id, attempt)
+                why = _why_not_resumable(params) if sent_ids else None
+                if why is None and (attempt >= self.max_retries or time.monotonic() > deadline):
+                    why = f"gave up after {attempt + 1} attempt(s)"
+                if why is not None:
+                    logger.warning("request %s failed (%s): %s", request_id, why, exc)
+                    yield StreamDelta(request_id, [], "", finish_reason="error", error=f"{why}: {exc}")
+                    return
+                attempt += 1
+                if sent_ids:
+                    self.num_resumes += 1
+                else:
+                    self.num_retries += 1
+                logger.warning(
+                    "request %s: %s; attempt %d %s", request_id, exc, attempt, "resumes" if sent_ids else "retries"
+                )
+
+    async def _attempt(self, request: ServeRequest, deadline: float, parent: Any) -> AsyncGenerator[StreamDelta, None]:
+        span = _tracer.start_span("pdserve.attempt", context=trace.set_span_in_context(parent))
+        span.set_attribute("pool_request_id", request.request_id)
+        stream = self.decode.options(stream=True).generate.remote(request)
+        prefill_task: asyncio.Task | None = None
+        prefilled: PrefillResult | None = None
+        finished = False
+        num_yielded = 0
+        try:
+            first = await self._next(stream, deadline)
+            if isinstance(first, TicketIssued):
+                span.add_event("kv_ticket", {"decode_replica": first.replica_id})
+                assert self.prefill is not None, "a colocated pool issued a ticket"
+                prefill_request = dataclasses.replace(request, kv_ticket=first.ticket)
+                prefill_task = asyncio.ensure_future(self._prefill(prefill_request, deadline))
+            else:
+                finished = first.finish_reason is not None
+                num_yielded += 1
+                yield first
+            while not finished:
+                next_item = asyncio.ensure_future(self._next(stream, deadline))
+                try:
+                    if prefill_task is not None and not prefill_task.done():
+                        await asyncio.wait({next_item, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                    if prefill_task is not None and (prefill_task.done() or (num_yielded == 0 and next_item.done())):
+                        # The first delta waits for prefill's answer: it carries the first token's logprob.
+                        await asyncio.wait({prefill_task})
+                        task, prefill_task = prefill_task, None
+                        span.add_event("prefill_done")
+                        prefilled = _check_prefill(task, request.request_id)
+                    delta = await next_item
+                except BaseException:
+                    next_item.cancel()
+                    raise
+                assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
+                if num_yielded == 0:
+                    span.add_event("first_token", {"decode_replica": delta.replica_id})
+                if prefilled is not None:
+                    delta = _with_prefill_facts(delta, prefilled, num_yielded == 0, request)
+                finished = delta.finish_reason is not None
+                num_yielded += 1
+                yield delta
+        finally:
+            if prefill_task is not None:
+                prefill_task.cancel()
+            if not finished:
+                stream.cancel()  # the decode replica aborts the request and frees its blocks
+            span.set_attribute("finished", finished)
+            span.end()
+
+    async def _prefill(self, request: ServeRequest, deadline: float) -> PrefillResult:
+        assert self.prefill is not None
+        response = self.prefill.prefill.remote(request)
+        try:
+            return await asyncio.wait_for(_await(response), max(deadline - time.monotonic(), 0.001))
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise AttemptFailed(f"prefill of {request.request_id} timed out") from None
+        except Exception as exc:
+            if _is_replica_loss(exc):
+                raise ReplicaLost(f"prefill replica lost: {type(exc).__name__}") from exc
+            raise
+
+    async def _next(self, stream: Any, deadline: float) -> TicketIssued | StreamDelta:
+        try:
+            return await asyncio.wait_for(stream.__anext__(), max(deadline - time.monotonic(), 0.001))
+        except StopAsyncIteration:
+            raise ReplicaLost("the decode stream ended without a final delta") from None
+        except asyncio.TimeoutError:
+            raise AttemptFailed("the request timed out (request_timeout_s)") from None
+        except Exception as exc:
+            if _is_replica_loss(exc):
+                raise ReplicaLost(f"decode replica lost: {type(exc).__name__}") from exc
+            raise
+
+
+def _check_prefill(task: asyncio.Task, request_id: str) -> PrefillResult:
+    """A finished prefill with an error ends the attempt now, not when the decode lease runs out."""
+    exc = task.exception()
+    if exc is not None:
+        raise exc
+    result: PrefillResult = task.result()
+    if result.error is not None:
+        raise_for_pool_error(result.error)
+        raise AttemptFailed(f"KV hand-off of {request_id} failed: {result.error}")
+    return result
+
+
+def _with_prefill_facts(delta: StreamDelta, prefilled: PrefillResult, is_first: bool, request: ServeRequest):
+    """The decode replica knows neither the first token's logprob nor prefill's prefix-cache hits."""
+    changes: dict[str, Any] = {"num_cached_tokens": prefilled.num_cached_tokens}
+    wants_logprobs = request.sampling.get("logprobs") is not None
+    if is_first and wants_logprobs and prefilled.first_logprob is not None:
+        changes["logprobs"] = [prefilled.first_logprob, *(delta.logprobs or [])]
+    return dataclasses.replace(delta, **changes)
+
+
+def _why_not_resumable(params: SamplingParams) -> str | None:
+    """Why continuing elsewhere from prompt + sent tokens would not give the same output, if it would not."""
+    if params.stop:
+        return "stop strings cannot be resumed (text held back for matching died with the replica)"
+    if params.presence_penalty or params.frequency_penalty:
+        return "presence/frequency penalties count output tokens only, which a resumed request would not"
+    return None
+
+
+def _is_backpressure(exc: BaseException) -> bool:
+    try:
+        from ray.serve.exceptions import BackPressureError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, BackPressureError)
+
+
+class _ResumedText:
+    """Text of a resumed request, recomputed from all its output tokens.
+
+    The dead replica may have held back text (an incomplete UTF-8 character spans tokens it sent);
+    the new replica sees those tokens as prompt and would never emit it. So after a resume the
+    router decodes the whole output (with the prompt's tail as context, like the engine) and sends
+    what the client has not seen yet.
+    """
+
+    _CONTEXT = 5
+
+    def __init__(self, detokenize: Callable[[list[int], bool], str] | None, prompt: list[int], skip: bool) -> None:
+        self.detokenize = detokenize
+        self.context = prompt[-self._CONTEXT :]
+        self.skip = skip
+        self.text = ""
+
+    def sent(self, new_text: str) -> str:
+        self.text += new_text
+        return new_text
+
+    def after(self, output_ids: list[int], delta: StreamDelta) -> str:
+        if self.detokenize is None:
+            return self.sent(delta.new_text)
+        base = self.detokenize(self.context, self.skip)
+        full = self.detokenize(self.context + output_ids, self.skip)[len(base) :]
+        if delta.finish_reason is None and full.endswith("\ufffd"):
+            return ""  # a character still incomplete: wait for its last byte
+        return self.sent(full[len(self.text) :])
+
+
+async def _await(response: Any) -> Any:
+    return await response

@@ -1,0 +1,384 @@
+"""OpenAI-compatible wire format: request parsing, response shapes and SSE framing.
+
+Plain functions over dicts, no HTTP framework: the HTTP layer decodes the JSON body, calls
+``parse_completion_request`` / ``parse_chat_request`` and serializes what the builders return.
+Every refusal is an ``ApiError`` carrying OpenAI's ``{"error": {...}}`` object.
+
+Unknown top-level fields are accepted and ignored, because OpenAI SDKs and frameworks send extras.
+``KNOWN_FIELDS`` lists what we read or deliberately accept; fields that would change the output but
+are not implemented (``best_of``, ``logit_bias``, ``tools``…) are refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from common.errors import InvalidRequestError, OverloadedError
+from common.outputs import TokenLogprob
+from common.sampling_params import SamplingParams
+
+RequestKind = Literal["completion", "chat"]
+
+DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
+# OpenAI's chat default is "until the context is full"; a fixed cap keeps a forgotten max_tokens
+# from holding a decode slot and its KV blocks for a whole context length.
+DEFAULT_MAX_TOKENS_CHAT = 256
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# JSON has no -Infinity; OpenAI reports a token the model rules out with this value.
+MIN_LOGPROB = -9999.0
+
+# OpenAI field name == SamplingParams field name; null means "use the default".
+_SAMPLING_FIELDS = (
+    *("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"),
+    # vLLM extensions
+    *("top_k", "min_p", "stop_token_ids", "repetition_penalty", "ignore_eos", "skip_special_tokens"),
+    "include_stop_str_in_output",
+)
+# Accepted and ignored: they do not change what the model generates.
+_HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# Defined by OpenAI, not implemented, and they would change the output: allowed only at their no-op value.
+_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v is None or (type(v) is int and v == 1),
+    "logit_bias": lambda v: v is None or v == {},
+    "suffix": lambda v: v is None or v == "",
+    "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
+    "response_format": lambda v: v is None or v == {"type": "text"},
+}
+KNOWN_FIELDS = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options"}
+    | {"logprobs", "top_logprobs", "echo", *_SAMPLING_FIELDS, *_HARMLESS_FIELDS, *_UNSUPPORTED_FIELDS}
+)
+
+
+class ApiError(Exception):
+    """A request-level failure as the client sees it: HTTP status plus OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def api_error_from_exception(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        # context_length_exceeded included: OpenAI answers it with 400, and clients check for that.
+        return ApiError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, OverloadedError):
+        message = str(exc) or "the server is overloaded; retry later"
+        return ApiError(503, message, type="service_unavailable", headers={"Retry-After": "1"})
+    # No traceback or str(exc): internal details stay in the server log.
+    return ApiError(500, f"internal server error ({type(exc).__name__})", type="server_error")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated /v1/completions or /v1/chat/completions request."""
+
+    kind: RequestKind
+    model: str
+    prompt: str | list[int] | None  # completions only
+    messages: list[dict[str, str]] | None  # chat only; content flattened to a string
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top alternatives per token; None = no logprobs
+    echo: bool = False
+    user: str | None = None
+
+
+def parse_completion_request(body: object, served_model: str) -> ParsedRequest:
+    return _parse(body, served_model, "completion")
+
+
+def parse_chat_request(body: object, served_model: str) -> ParsedRequest:
+    return _parse(body, served_model, "chat")
+
+
+def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise ApiError(400, f"model must be a non-empty string; this server serves {served_model!r}", param="model")
+    if model != served_model:
+        message = f"The model {model!r} does not exist; this server serves {served_model!r}"
+        raise ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
+    for name, is_noop in _UNSUPPORTED_FIELDS.items():
+        if not is_noop(body.get(name)):
+            message = f"{name} is not supported by this server; remove it from the request"
+            raise ApiError(400, message, param=name, code="unsupported_parameter")
+    stream = _optional_bool(body, "stream")
+    include_usage = _include_usage(body.get("stream_options"), stream)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"user must be a string, got {user!r}", param="user")
+
+    kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    renames: dict[str, str] = {}  # SamplingParams field -> the wire field it came from, for error params
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    if kind == "completion":
+        prompt = _parse_prompt(body.get("prompt"))
+        max_tokens_field, default_max_tokens = "max_tokens", DEFAULT_MAX_TOKENS_COMPLETION
+        logprobs = body.get("logprobs")  # SamplingParams checks it is null or an int in [0, 20]
+        echo = _optional_bool(body, "echo")
+    else:
+        messages = _parse_messages(body.get("messages"))
+        has_new_name = body.get("max_completion_tokens") is not None
+        max_tokens_field = "max_completion_tokens" if has_new_name else "max_tokens"
+        default_max_tokens = DEFAULT_MAX_TOKENS_CHAT
+        logprobs = _chat_logprobs(body)
+        renames["logprobs"] = "top_logprobs"
+        if _optional_bool(body, "echo"):
+            raise ApiError(400, "echo is only supported by /v1/completions", param="echo")
+        echo = False
+    max_tokens = body.get(max_tokens_field)
+    kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    renames["max_tokens"] = max_tokens_field
+    kwargs["logprobs"] = logprobs
+    try:
+        sampling = SamplingParams(**kwargs)
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=renames.get(exc.param or "", exc.param), code=exc.code) from exc
+    return ParsedRequest(kind, model, prompt, messages, sampling, stream, include_usage, logprobs, echo, user)
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def _include_usage(options: object, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(
+            400, f"stream_options.include_usage must be a boolean, got {include_usage!r}", param="stream_options"
+        )
+    return bool(include_usage)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    top_logprobs = body.get("top_logprobs")
+    if not _optional_bool(body, "logprobs"):
+        if top_logprobs is not None:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return None
+    return 0 if top_logprobs is None else top_logprobs  # SamplingParams checks the range
+
+
+def _is_token_id(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _parse_prompt(prompt: object) -> str | list[int]:
+    # OpenAI also accepts a batch; a one-element batch is the same request as its element.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        return list(prompt)
+    message = "prompt must be a string or a non-empty list of token ids; only one prompt per request is supported"
+    raise ApiError(400, message, param="prompt")
+
+
+def _parse_messages(messages: object) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of message objects", param="messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            allowed = ", ".join(sorted(CHAT_ROLES))
+            raise ApiError(400, f"messages[{i}].role must be one of {allowed}; got {role!r}", param="messages")
+        entry = {"role": role, "content": _flatten_content(message.get("content"), i)}
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        parsed.append(entry)
+    return parsed
+
+
+def _flatten_content(content: object, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                message = (
+                    f'messages[{index}].content parts must be {{"type": "text", "text": ...}}; only text is supported'
+                )
+                raise ApiError(400, message, param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)  # as vLLM joins text parts for a string-content chat template
+    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def openai_finish_reason(engine_reason: str | None) -> str | None:
+    """ "stop" and "length" pass through; "abort"/"error" are no OpenAI value: the caller sends an error."""
+    return engine_reason if engine_reason in ("stop", "length") else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], text_offset: int = 0
+) -> dict[str, Any]:
+    """Legacy completions shape; ``text_offset`` is where the first token starts in the returned text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(_finite(lp.logprob))
+        offsets.append(text_offset)
+        text_offset += len(text)
+        # Two ids can decode to the same string (byte fallback): keep the likelier. Like vLLM,
+        # the chosen token is always present, so logprobs=0 still yields one entry.
+        top: dict[str, float] = {}
+        for token_id, value in lp.top:
+            top.setdefault(token_text(token_id), _finite(value))
+        top.setdefault(text, _finite(lp.logprob))
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    content = []
+    for lp in logprobs:
+        item = entry(lp.token_id, lp.logprob)
+        item["top_logprobs"] = [entry(token_id, value) for token_id, value in lp.top]
+        content.append(item)
+    return {"content": content}
+
+
+def _envelope(request_id: str, obj: str, model: str, created: int, choices: list[Any]) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**_envelope(request_id, "text_completion", model, created, [choice]), "usage": usage}
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope(request_id, "text_completion", model, created, [choice])
+
+
+def usage_chunk(
+    request_id: str, model: str, created: int, usage: dict[str, Any], kind: RequestKind = "completion"
+) -> dict[str, Any]:
+    """The last chunk before [DONE] when stream_options.include_usage is set: no choices, only usage."""
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {**_envelope(request_id, obj, model, created, []), "usage": usage}
+
+
+def chat_response(
+    request_id: str,
+    model: str,
+    created: int,
+    content: str,
+    finish_reason: str | None,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": content}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**_envelope(request_id, "chat.completion", model, created, [choice]), "usage": usage}
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    *,
+    role: str | None = None,
+    content: str | None = None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The first chunk passes role="assistant", content=""; the last carries only finish_reason."""
+    delta: dict[str, str] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope(request_id, "chat.completion.chunk", model, created, [choice])
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def sse_error(error: ApiError) -> bytes:
+    """An error after the stream started: headers are sent, so the status travels in the event only."""
+    return sse(error.body())

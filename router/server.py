@@ -1,0 +1,322 @@
+"""The ingress deployment: OpenAI-compatible HTTP API (FastAPI under Ray Serve).
+
+    POST /v1/completions, /v1/chat/completions ─▶ parse + validate (400/404 before any pool) ─▶
+    tokenize (+ chat template), check the context length ─▶ admission (503 + Retry-After) ─▶
+    Orchestrator.run (decode reservation, prefill with the ticket, token deltas) ─▶ JSON or SSE
+
+Every response carries ``X-Request-Id`` (the client's, echoed, or a fresh one); every log line
+about a request names it. A client that disconnects mid-stream cancels the request on both pools.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from common.errors import InvalidRequestError, OverloadedError
+from common.serving import StreamDelta
+from router import protocol
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
+from router.protocol import ApiError, ParsedRequest
+
+logger = logging.getLogger("pdserve.router")
+app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+_POOL_CALL_TIMEOUT_S = 10.0
+
+
+def _request_ids(request: Request) -> tuple[str, str]:
+    """(internal id, the request id of the X-Request-Id header). Serve's proxy echoes the client's
+    X-Request-Id, or sets a fresh one, on every response; internal ids stay unique per pool."""
+    from ray.serve.context import _get_serve_request_context
+
+    return uuid.uuid4().hex, _get_serve_request_context().request_id or request.headers.get("x-request-id", "")
+
+
+def _failed() -> ApiError:
+    # The cause (replica lost, KV hand-off failed, …) is in the server log; clients get no internals.
+    return ApiError(500, "the request failed inside the cluster; retry it", type="server_error")
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _chain(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
+    yield first
+    if first.finish_reason is not None:
+        return
+    async for delta in rest:
+        yield delta
+
+
+async def _await(response: Any) -> Any:
+    return await response
+
+
+# serve.ingress copies the class now: every module-level name its methods use must exist above.
+@serve.ingress(app)
+class RouterServer:
+    def __init__(
+        self,
+        decode: Any,
+        prefill: Any | None,
+        served_model: str,
+        model_dir: str,
+        mode: str = "disagg",
+        request_timeout_s: float = 600.0,
+        max_retries: int = 1,
+        max_concurrent_requests: int = 1024,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.decode = decode
+        self.prefill = prefill
+        self.mode = mode
+        self.served_model = served_model
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.vocab_size = len(self.tokenizer)
+        self.orchestrator = Orchestrator(decode, prefill, request_timeout_s, max_retries, self._detokenize)
+        self.max_concurrent_requests = max_concurrent_requests
+        self.num_in_flight = 0
+        self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
+        self.max_model_len: int | None = None
+        self.metrics = RouterMetrics(mode)
+        self.created = int(time.time())
+
+    # --- plain endpoints -------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        pools = {"decode": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
+        down = []
+        for name, handle in pools.items():
+            try:
+                await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
+            except Exception as exc:
+                down.append(f"{name}: {type(exc).__name__}")
+        if down:
+            return JSONResponse({"status": "unavailable", "pools_down": down}, status_code=503)
+        return JSONResponse({"status": "ok", "mode": self.mode})
+
+    @app.get("/pdserve/status")
+    async def status(self) -> dict:
+        from router.routing_state import latest_reports
+
+        return {
+            "mode": self.mode,
+            "model": self.served_model,
+            "in_flight": self.num_in_flight,
+            "requests": [
+                {"request_id": rid, "decode_replica": replica} for rid, replica in self.serving_replica.items()
+            ],
+            "pools": latest_reports(),
+            "metrics": self.metrics.snapshot(),
+            "retries": self.orchestrator.num_retries,
+            "resumes": self.orchestrator.num_resumes,
+        }
+
+    # --- generation ----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, protocol.parse_completion_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, protocol.parse_chat_request)
+
+    async def _handle(self, request: Request, parse) -> Response:
+        internal_id, request_id = _request_ids(request)
+        started = time.monotonic()
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            parsed: ParsedRequest = parse(body, self.served_model)
+            prompt_ids, prompt_text = self._tokenize(parsed)
+            await self._check_length(prompt_ids)
+            if self.num_in_flight >= self.max_concurrent_requests:
+                raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
+        except Exception as exc:
+            error = protocol.api_error_from_exception(exc)
+            self.metrics.request_failed(error.status)
+            logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
+            return _error_response(error)
+        logger.info(
+            "request %s (%s): %d prompt tokens, stream=%s", request_id, internal_id, len(prompt_ids), parsed.stream
+        )
+        self.num_in_flight += 1
+        deltas = self._tracked(self.orchestrator.run(internal_id, prompt_ids, parsed.sampling), started, request_id)
+        try:
+            first = await deltas.__anext__()  # refusals surface here, before any header is sent
+        except Exception as exc:
+            await deltas.aclose()
+            error = protocol.api_error_from_exception(exc)
+            self.metrics.request_failed(error.status)
+            logger.warning("request %s failed before its first token (%d): %s", request_id, error.status, exc)
+            return _error_response(error)
+        if first.error is not None:  # failed before any token: nothing is sent yet, so a status says it
+            await deltas.aclose()
+            logger.warning("request %s failed: %s", request_id, first.error)
+            return _error_response(_failed())
+        headers: dict[str, str] = {}
+        response_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + internal_id
+        if parsed.stream:
+            events = self._sse(parsed, response_id, prompt_ids, prompt_text, first, deltas)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            return await self._collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
+        except Exception:
+            logger.exception("request %s failed", request_id)
+            return _error_response(_failed())
+        finally:
+            await deltas.aclose()
+
+    async def _tracked(self, deltas: AsyncIterator[StreamDelta], started: float, request_id: str):
+        """Counts the request in flight until it ends, and records its TTFT/TPOT."""
+        first_token_time = None
+        num_tokens = 0
+        outcome = "cancelled"
+        try:
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    self.serving_replica[request_id] = delta.replica_id
+                    if delta.new_token_ids and first_token_time is None:
+                        first_token_time = time.monotonic()
+                        self.metrics.first_token(first_token_time - started)
+                    num_tokens += len(delta.new_token_ids)
+                    if delta.finish_reason is not None:
+                        outcome = "error" if delta.error else "ok"
+                    yield delta
+        finally:
+            self.num_in_flight -= 1
+            self.serving_replica.pop(request_id, None)
+            self.metrics.request_ended(outcome, started, first_token_time, num_tokens)
+            logger.info("request %s ended: %s, %d tokens", request_id, outcome, num_tokens)
+
+    def _tokenize(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
+        if parsed.kind == "chat":
+            assert parsed.messages is not None
+            ids = self.tokenizer.apply_chat_template(
+                parsed.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids), None
+        if isinstance(parsed.prompt, str):
+            if not parsed.prompt:
+                raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+            return self.tokenizer.encode(parsed.prompt), parsed.prompt
+        ids = list(parsed.prompt or [])
+        if not ids or any(not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", param="prompt")
+        return ids, None
+
+    async def _check_length(self, prompt_ids: list[int]) -> None:
+        if self.max_model_len is None:
+            reports = [self.decode] + ([self.prefill] if self.prefill is not None else [])
+            lengths = []
+            for handle in reports:
+                report = await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
+                lengths.append(report["max_model_len"])
+            self.max_model_len = min(lengths)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens (the prompt and at least one generated token must fit); shorten it.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    def _detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _logprobs(self, parsed: ParsedRequest, delta: StreamDelta, text_offset: int) -> dict | None:
+        if parsed.logprobs is None or not delta.logprobs:
+            return None
+        if parsed.kind == "chat":
+            return protocol.chat_logprobs(delta.logprobs, self._token_text)
+        return protocol.completion_logprobs(delta.logprobs, self._token_text, text_offset)
+
+    async def _collect(self, parsed, response_id, prompt_ids, prompt_text, first, deltas, headers) -> Response:
+        text: list[str] = []
+        logprobs: list = []
+        num_tokens = 0
+        last = first
+        async for delta in _chain(first, deltas):
+            text.append(delta.new_text)
+            logprobs.extend(delta.logprobs or [])
+            num_tokens += len(delta.new_token_ids)
+            last = delta
+        if last.error is not None:
+            logger.warning("request %s failed: %s", response_id, last.error)
+            return _error_response(_failed())
+        model, created = self.served_model, int(time.time())
+        usage = protocol.usage(len(prompt_ids), num_tokens, last.num_cached_tokens)
+        finish = protocol.openai_finish_reason(last.finish_reason)
+        merged = StreamDelta(response_id, [], "", logprobs=logprobs or None)
+        if parsed.kind == "chat":
+            content = "".join(text)
+            body = protocol.chat_response(
+                response_id, model, created, content, finish, usage, self._logprobs(parsed, merged, 0)
+            )
+        else:
+            prefix = (prompt_text or self.tokenizer.decode(prompt_ids)) if parsed.echo else ""
+            lp = self._logprobs(parsed, merged, len(prefix))
+            body = protocol.completion_response(response_id, model, created, prefix + "".join(text), finish, usage, lp)
+        return JSONResponse(body, headers=headers)
+
+    async def _sse(self, parsed, response_id, prompt_ids, prompt_text, first, deltas) -> AsyncIterator[bytes]:
+        """Server-sent events; an error after the first byte travels as an error event, then [DONE]."""
+        model, created, chat = self.served_model, int(time.time()), parsed.kind == "chat"
+        num_tokens, cached, offset = 0, 0, 0
+        try:
+            if chat:
+                yield protocol.sse(protocol.chat_chunk(response_id, model, created, role="assistant", content=""))
+            elif parsed.echo:
+                prefix = prompt_text or self.tokenizer.decode(prompt_ids)
+                offset = len(prefix)
+                yield protocol.sse(protocol.completion_chunk(response_id, model, created, prefix))
+            async for delta in _chain(first, deltas):
+                num_tokens += len(delta.new_token_ids)
+                cached = delta.num_cached_tokens
+                if delta.error is not None:
+                    logger.warning("request %s failed mid-stream: %s", response_id, delta.error)
+                    yield protocol.sse_error(_failed())
+                    break
+                finish = protocol.openai_finish_reason(delta.finish_reason)
+                if not delta.new_text and finish is None and not delta.logprobs:
+                    continue
+                logprobs = self._logprobs(parsed, delta, offset)
+                offset += len(delta.new_text)
+                if chat:
+                    chunk = protocol.chat_chunk(
+                        response_id, model, created, content=delta.new_text, finish_reason=finish, logprobs=logprobs
+                    )
+                else:
+                    chunk = protocol.completion_chunk(response_id, model, created, delta.new_text, finish, logprobs)
+                yield protocol.sse(chunk)
+            if parsed.include_usage:
+                usage = protocol.usage(len(prompt_ids), num_tokens, cached)
+                yield protocol.sse(protocol.usage_chunk(response_id, model, created, usage, parsed.kind))
+            yield protocol.SSE_DONE
+        except Exception:  # headers are out: the error travels as an event, and the stream still ends
+            logger.exception("request %s: stream failed", response_id)
+            yield protocol.sse_error(_failed())
+            yield protocol.SSE_DONE
+        finally:
+            await deltas.aclose()  # a client gone mid-stream lands here: cancel on both pools

@@ -1,0 +1,109 @@
+"""A real local Ray + Serve cluster for the serving tests, redeployed only when the config changes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from cluster import app
+from cluster.cluster_config import ClusterConfig, load_cluster_config
+
+MODEL = "SmolLM2-135M-Instruct"
+# Small KV budgets keep start-up quick; 16 MiB still holds ~350 tokens per shard of SmolLM2.
+BASE = {"kv_cache_memory": 32 * 2**20, "dtype": "float32", "router.kv_lease_s": 30.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 30.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def post(url: str, body: bytes | dict, headers: dict | None = None, timeout: float = 120.0):
+    """(status, headers, parsed JSON body) of a POST; HTTP errors are returned, not raised."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+class LocalCluster:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.config: ClusterConfig | None = None
+        self.started = False
+        self.startup_s: dict[str, float] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ensure(self, **overrides: Any) -> ClusterConfig:
+        """Deploy the config (BASE + overrides) unless it is the one running."""
+        config = load_cluster_config(None, {**BASE, **overrides, "port": self.port})
+        if config == self.config:
+            return config
+        started = time.monotonic()
+        if not self.started:
+            app.start_ray(config)
+            from ray import serve
+
+            serve.start(http_options={"host": config.host, "port": self.port})
+            self.started = True
+        self.deploy(config)
+        self.startup_s[json.dumps(overrides, sort_keys=True)] = time.monotonic() - started
+        return config
+
+    def deploy(self, config: ClusterConfig) -> None:
+        from ray import serve
+
+        serve.run(app.build_app(config), name=app.APP_NAME, route_prefix="/", blocking=False)
+        app.wait_ready(300)
+        self.config = config
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if get_json(self.url + "/health", timeout=15)["status"] == "ok":
+                    return
+            except (urllib.error.URLError, OSError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the cluster did not become healthy")
+            time.sleep(0.5)
+
+    def status(self) -> dict:
+        return get_json(self.url + "/pdserve/status")
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict:
+        """Poll until nothing is in flight and every replica of every pool holds zero request blocks."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            reports = [r for pool in status["pools"].values() for r in pool]
+            busy = status["in_flight"] or any(
+                r["num_blocks_held"] or r["num_running"] or r["num_waiting"] or r["num_reserved"] for r in reports
+            )
+            if not busy and len(status["pools"]) == len(self.config.pools()):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the pools did not drain: {status}")
+            time.sleep(0.5)
+
+    def shutdown(self) -> None:
+        if self.started:
+            app.shutdown()

@@ -1,0 +1,85 @@
+"""`pdserve serve | status | scale` as a user runs them: a real process, a real port, SIGTERM at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.cluster.serving import MODEL, free_port, get_json, post
+
+
+def _ray_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def _pdserve(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_a_bad_config_key_is_named_with_the_fix(tmp_path):
+    env = {**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "state.json")}
+    result = _pdserve("serve", "--set", "prefil.replicas=2", env=env, timeout=60)
+    assert result.returncode == 2
+    assert "prefil" in result.stderr and "did you mean 'prefill'" in result.stderr
+    result = _pdserve("status", env=env, timeout=60)
+    assert result.returncode == 2 and "pdserve serve" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
+    before = _ray_pids()
+    port = free_port()
+    env = {**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "state.json")}
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--kv-cache-memory", str(32 * 2**20)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert process.poll() is None, "".join(lines[-30:])
+        # Keep reading its logs, or a full pipe would stall the server.
+        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+        assert get_json(url + "/v1/models")["data"][0]["id"] == MODEL
+        code, _, body = post(url + "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        assert code == 200 and body["usage"]["completion_tokens"] == 4
+
+        status = _pdserve("status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        pools = json.loads(status.stdout)["pools"]
+        assert len(pools["prefill"]) == 1 and len(pools["decode"]) == 1
+
+        scaled = _pdserve("scale", "decode=2", env=env, timeout=600)
+        assert scaled.returncode == 0, scaled.stderr[-3000:]
+        deadline = time.monotonic() + 120
+        while len(get_json(url + "/pdserve/status")["pools"].get("decode", [])) != 2:
+            assert time.monotonic() < deadline, "the decode pool did not grow to 2 replicas"
+            time.sleep(1)
+        code, _, body = post(url + "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        assert code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert returncode == 0
+    assert not (tmp_path / "state.json").exists()
+    deadline = time.monotonic() + 30
+    while (stray := _ray_pids() - before) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not stray, f"processes left behind: {stray}"

@@ -1,0 +1,250 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cluster.cluster_config import ClusterConfig, PoolConfig, RouterConfig, load_cluster_config, parse_override
+from common.config import EngineRole
+from common.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "cluster.example.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults():
+    config = load_cluster_config()
+    assert config == ClusterConfig()
+    assert config.mode == "disagg"
+    assert config.pools() == ["prefill", "decode"]
+    assert config.transport == "shm"
+    assert config.port == 8000
+    assert config.kv_cache_memory == 256 * 2**20
+    assert config.prefill == PoolConfig(replicas=1, tensor_parallel_size=1, max_num_waiting=256)
+    assert config.router == RouterConfig(placement_policy="least_loaded", kv_lease_s=30.0, max_retries=1)
+    assert config.served_name == "SmolLM2-135M-Instruct"
+
+
+def test_example_file_loads_and_names_every_key():
+    config = load_cluster_config(EXAMPLE)
+    assert config == ClusterConfig()
+    text = EXAMPLE.read_text()
+    for key in config.to_dict():
+        assert f"\n{key}:" in text, key
+    for key in PoolConfig.__dataclass_fields__:
+        assert text.count(f"  {key}:") == 3, key
+    for key in RouterConfig.__dataclass_fields__:
+        assert f"  {key}:" in text, key
+
+
+def test_file_and_overrides(tmp_path):
+    path = write(tmp_path, "mode: disagg\nport: 9000\nprefill:\n  replicas: 3\n  cpus_per_shard: 2\n")
+    config = load_cluster_config(path, {"prefill.tensor_parallel_size": 2, "router.max_retries": 0, "port": 0})
+    assert config.port == 0
+    assert config.prefill.replicas == 3
+    assert config.prefill.tensor_parallel_size == 2
+    assert config.prefill.cpus_per_shard == 2.0 and isinstance(config.prefill.cpus_per_shard, float)
+    assert config.decode == PoolConfig()
+    assert config.router.max_retries == 0
+
+
+def test_mapping_override_merges_into_section(tmp_path):
+    path = write(tmp_path, "decode:\n  replicas: 2\n")
+    config = load_cluster_config(path, {"decode": {"max_num_seqs": 8}, "mode": "colocated"})
+    assert (config.decode.replicas, config.decode.max_num_seqs) == (2, 8)
+    assert config.mode == "colocated"
+    assert config.pools() == ["colocated"]
+
+
+def test_empty_file_and_empty_section(tmp_path):
+    assert load_cluster_config(write(tmp_path, "")) == ClusterConfig()
+    assert load_cluster_config(write(tmp_path, "router:\n")) == ClusterConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("prefill.replicas=2", ("prefill.replicas", 2)),
+        ("kv_checksums=false", ("kv_checksums", False)),
+        ("model=/models/Qwen3-0.6B-Q8_0.gguf", ("model", "/models/Qwen3-0.6B-Q8_0.gguf")),
+        ("max_model_len=null", ("max_model_len", None)),
+        ("router.kv_lease_s=2.5", ("router.kv_lease_s", 2.5)),
+        ("host=a=b", ("host", "a=b")),
+    ],
+)
+def test_parse_override(text, expected):
+    assert parse_override(text) == expected
+
+
+@pytest.mark.parametrize("text", ["replicas", "=2", ""])
+def test_parse_override_refuses_no_key(text):
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override(text)
+
+
+def test_typo_suggests_closest_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'prefil' in .*cluster\.yaml; did you mean 'prefill'\?"):
+        load_cluster_config(write(tmp_path, "prefil:\n  replicas: 2\n"))
+    with pytest.raises(ConfigError, match=r"unknown key 'router\.kv_lease' .*did you mean 'router\.kv_lease_s'\?"):
+        load_cluster_config(write(tmp_path, "router:\n  kv_lease: 3\n"))
+    with pytest.raises(ConfigError, match=r"unknown key 'trasnport' in override 'trasnport'; did you mean 'transport'"):
+        load_cluster_config(overrides={"trasnport": "grpc"})
+
+
+def test_nested_unknown_key_lists_allowed_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'prefill\.tp' .*allowed keys under 'prefill': replicas, "):
+        load_cluster_config(write(tmp_path, "prefill:\n  tp: 2\n"))
+    with pytest.raises(ConfigError, match=r"unknown key 'decode\.tp' in override 'decode\.tp'"):
+        load_cluster_config(overrides={"decode.tp": 2})
+    with pytest.raises(ConfigError, match=r"'mode' is a value, not a section"):
+        load_cluster_config(overrides={"mode.name": "x"})
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("prefill:\n  replicas: two\n", r"prefill\.replicas: expected int, got 'two' \(str\)"),
+        ("prefill:\n  replicas: true\n", r"prefill\.replicas: expected int, got True \(bool\)"),
+        ("prefill: [1, 2]\n", r"'prefill' of .* must be a mapping of keys, got \[1, 2\] \(list\)"),
+        ("port: '8000'\n", r"port: expected int, got '8000' \(str\)"),
+        ("model: 7\n", r"model: expected str or null, got 7 \(int\)"),
+        ("kv_checksums: 1\n", r"kv_checksums: expected bool, got 1 \(int\)"),
+        ("router:\n  kv_lease_s: soon\n", r"router\.kv_lease_s: expected float, got 'soon'"),
+        ("- mode\n", r"must hold a mapping of keys at the top level, got list"),
+    ],
+)
+def test_wrong_types_name_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_cluster_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"mode": "split"}, r"mode='split' is not supported; use one of disagg, colocated"),
+        ({"transport": "inproc"}, r"transport='inproc' cannot cross processes"),
+        ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of shm, grpc, torch"),
+        ({"dtype": "float64"}, r"dtype='float64' is not supported"),
+        ({"device": "tpu"}, r"device='tpu' is not supported"),
+        ({"block_size": 12}, r"block_size=12 must be a power of two"),
+        ({"kv_cache_memory": 1.5}, r"kv_cache_memory=1.5"),
+        ({"port": 70000}, r"port=70000 must be in 0\.\.65535"),
+        ({"prefill.tensor_parallel_size": 0}, r"^prefill\.tensor_parallel_size=0 must be >= 1"),
+        ({"decode.replicas": 0}, r"^decode\.replicas=0 must be >= 1"),
+        ({"colocated.max_num_seqs": 0}, r"^colocated\.max_num_seqs=0 must be >= 1"),
+        ({"decode.cpus_per_shard": 0}, r"^decode\.cpus_per_shard=0\.0 must be > 0"),
+        ({"router.kv_lease_s": 0}, r"^router\.kv_lease_s=0\.0 must be > 0"),
+        ({"router.max_retries": -1}, r"^router\.max_retries=-1 must be >= 0"),
+    ],
+)
+def test_bad_values_name_the_key_path(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_cluster_config(overrides=overrides)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(missing))} does not exist"):
+        load_cluster_config(missing)
+    with pytest.raises(ConfigError, match=r"is not valid YAML at line 3, column 8: mapping values are not allowed"):
+        load_cluster_config(write(tmp_path, "mode: disagg\nport: 8000\nhost: a: b\n"))
+
+
+def test_engine_config_disagg():
+    config = load_cluster_config(
+        overrides={
+            "model": "/models/tiny",
+            "dtype": "float32",
+            "device": "cpu",
+            "max_model_len": 512,
+            "block_size": 32,
+            "kv_cache_memory": 0.5,
+            "enable_prefix_caching": False,
+            "transport": "grpc",
+            "kv_checksums": False,
+            "prefill.tensor_parallel_size": 2,
+            "prefill.max_prefill_chunk": 128,
+            "decode.max_num_seqs": 16,
+        }
+    )
+    prefill = config.engine_config("prefill")
+    assert prefill.scheduler.role is EngineRole.PREFILL
+    assert prefill.parallel.tensor_parallel_size == 2
+    assert prefill.scheduler.max_prefill_chunk == 128
+    assert prefill.scheduler.max_num_waiting == 256
+    assert (prefill.model.model, prefill.model.dtype, prefill.model.device) == ("/models/tiny", "float32", "cpu")
+    assert prefill.model.max_model_len == 512
+    assert (prefill.cache.block_size, prefill.cache.kv_cache_memory) == (32, 0.5)
+    assert prefill.cache.enable_prefix_caching is False
+    assert prefill.kv_connector.factory == "kv_transfer.connector:TransferConnector"
+    assert prefill.kv_connector.options == {"backend": "grpc", "receive": False, "with_checksums": False}
+
+    decode = config.engine_config("decode")
+    assert decode.scheduler.role is EngineRole.DECODE
+    assert decode.parallel.tensor_parallel_size == 1
+    assert decode.scheduler.max_num_seqs == 16
+    assert decode.kv_connector.options == {"backend": "grpc", "receive": True, "with_checksums": False}
+
+    with pytest.raises(ConfigError, match=r"pool 'colocated' is not part of mode='disagg'"):
+        config.engine_config("colocated")
+
+
+def test_engine_config_colocated():
+    config = load_cluster_config(overrides={"mode": "colocated", "colocated.tensor_parallel_size": 4})
+    engine = config.engine_config("colocated")
+    assert engine.scheduler.role is EngineRole.COLOCATED
+    assert engine.parallel.tensor_parallel_size == 4
+    assert engine.kv_connector.factory is None
+    assert engine.kv_connector.options == {}
+    with pytest.raises(ConfigError, match=r"pool 'prefill' is not part of mode='colocated'"):
+        config.engine_config("prefill")
+
+
+def test_connector_options_match_transfer_connector():
+    import inspect
+
+    from kv_transfer.connector import TransferConnector
+
+    accepted = inspect.signature(TransferConnector.__init__).parameters
+    options = ClusterConfig().engine_config("decode").kv_connector.options
+    assert set(options) <= set(accepted)
+
+
+@pytest.mark.parametrize(
+    ("model", "served_model_name", "expected"),
+    [
+        (None, None, "SmolLM2-135M-Instruct"),
+        ("/models/Qwen3-0.6B/", None, "Qwen3-0.6B"),
+        ("/models/qwen3-0.6b-q8_0.gguf", None, "qwen3-0.6b-q8_0"),
+        ("/models/Qwen3-0.6B", "qwen", "qwen"),
+    ],
+)
+def test_served_name(model, served_model_name, expected):
+    assert ClusterConfig(model=model, served_model_name=served_model_name).served_name == expected
+
+
+def test_round_trip_through_plain_dict():
+    config = load_cluster_config(
+        overrides={
+            "mode": "colocated",
+            "model": "/m.gguf",
+            "kv_cache_memory": 0.25,
+            "colocated.replicas": 3,
+            "colocated.max_prefill_chunk": 64,
+            "router.placement_policy": "round_robin",
+        }
+    )
+    data = config.to_dict()
+    assert data["colocated"]["replicas"] == 3
+    assert data["router"]["placement_policy"] == "round_robin"
+    assert type(data["prefill"]) is dict
+    assert ClusterConfig.from_dict(data) == config
+    assert ClusterConfig.from_dict(ClusterConfig().to_dict()) == ClusterConfig()
+    with pytest.raises(ConfigError, match=r"unknown key 'router\.policy'"):
+        ClusterConfig.from_dict({"router": {"policy": "x"}})

@@ -1,0 +1,273 @@
+"""The whole system on a real local Ray cluster, spoken to through the official OpenAI client.
+
+Greedy output of the disaggregated cluster (prefill TP=3, decode TP=1, each KV transport) and of
+the colocated one equals transformers' greedy output in float32, streamed and not; errors come
+back in OpenAI's format with the right status; nothing leaks KV blocks — after errors, client
+disconnects, scaling and a decode replica killed mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.cluster.serving import MODEL, LocalCluster, post
+from tests.conftest import PROMPTS, long_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    local = LocalCluster()
+    yield local
+    local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol_dir))
+
+
+@pytest.fixture(scope="module")
+def expected(tokenizer, hf_smol, hf_reference):
+    """transformers' greedy text for a prompt (completions) or a conversation (chat)."""
+
+    def get(prompt: str, max_tokens: int = MAX_TOKENS, chat: bool = False) -> str:
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer.encode(prompt)
+        return tokenizer.decode(hf_reference(hf_smol, list(ids), max_tokens), skip_special_tokens=True)
+
+    return get
+
+
+def client(cluster: LocalCluster, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300, **kwargs)
+
+
+def complete(api: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> str:
+    if not stream:
+        response = api.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert response.usage.prompt_tokens > 0
+        return response.choices[0].text
+    chunks = api.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = [], None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        text.extend(choice.text for choice in chunk.choices)
+    assert usage is not None and usage.completion_tokens > 0
+    return "".join(text)
+
+
+def chat(api: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        response = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+        return response.choices[0].message.content
+    chunks = api.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=max_tokens, temperature=0, stream=True
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+
+
+def check_greedy(cluster: LocalCluster, expected) -> None:
+    api = client(cluster)
+    for prompt in PROMPTS[:3]:
+        assert complete(api, prompt, stream=False) == expected(prompt)
+        assert complete(api, prompt, stream=True) == expected(prompt)
+    assert chat(api, PROMPTS[3], stream=False) == expected(PROMPTS[3], chat=True)
+    assert chat(api, PROMPTS[3], stream=True) == expected(PROMPTS[3], chat=True)
+    cluster.wait_idle()
+
+
+# --- correctness, one deployment per layout ---------------------------------------------------
+DISAGG = {"mode": "disagg", "prefill.tensor_parallel_size": 3, "decode.tensor_parallel_size": 1}
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc", "torch"])
+def test_disaggregated_greedy_matches_transformers(cluster, expected, transport):
+    cluster.ensure(**DISAGG, transport=transport)
+    check_greedy(cluster, expected)
+
+
+def test_colocated_greedy_matches_transformers(cluster, expected):
+    cluster.ensure(mode="colocated")
+    check_greedy(cluster, expected)
+
+
+# --- under load, errors, disconnects (prefill TP=3 → decode TP=1 over shared memory) ------------
+def test_32_concurrent_streams_each_get_their_own_tokens(cluster, expected):
+    cluster.ensure(**DISAGG, transport="shm")
+    prompts = [f"{p} (variant {i})" for i in range(8) for p in PROMPTS]
+    api = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def one(prompt: str) -> str:
+        chunks = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [expected(p, 8) for p in prompts]
+    cluster.wait_idle()
+
+
+def test_errors_come_back_in_openai_format_and_leak_nothing(cluster):
+    cluster.ensure(**DISAGG, transport="shm")
+    url = cluster.url + "/v1/completions"
+    cases = [
+        (b"{not json", 400, None),
+        ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": long_text(80)}, 400, "prompt"),  # past the context
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ]
+    for body, status, param in cases:
+        code, headers, payload = post(url, body, headers={"X-Request-Id": "req-err-1"})
+        assert code == status, payload
+        assert set(payload["error"]) == {"message", "type", "param", "code"} and payload["error"]["message"]
+        assert payload["error"]["param"] == param
+        assert headers.get("x-request-id") == "req-err-1"
+    code, _, payload = post(url, {"model": MODEL, "prompt": long_text(80)})
+    assert payload["error"]["code"] == "context_length_exceeded"
+    code, _, payload = post(cluster.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert code == 400 and payload["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        client(cluster).completions.create(model=MODEL, prompt="hi", top_p=3)
+    cluster.wait_idle()
+    # Still serving, with the same answers.
+    assert client(cluster).completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
+    cluster.ensure(**DISAGG, transport="shm")
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
+    body = {"model": MODEL, "prompt": long_text(2), "max_tokens": 300, "stream": True, "ignore_eos": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    events = 0
+    while events < 3:
+        line = response.readline()
+        events += line.startswith(b"data: {")
+    connection.sock.shutdown(2)  # the client goes away mid-stream
+    connection.close()
+    status = cluster.wait_idle(timeout_s=60)
+    assert status["metrics"]["outcomes"].get("cancelled", 0) >= 1
+
+
+# --- operations: overload, scaling, a decode replica killed -----------------------------------
+OPS = {
+    "mode": "disagg",
+    "transport": "shm",
+    "decode.replicas": 2,
+    "router.max_concurrent_requests": 3,
+}
+
+
+def test_overload_is_refused_with_503_and_retry_after(cluster):
+    cluster.ensure(**OPS)
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
+    results: list = []
+    threads = [
+        threading.Thread(target=lambda: results.append(post(cluster.url + "/v1/completions", body))) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while cluster.status()["in_flight"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code, headers, payload = post(cluster.url + "/v1/completions", {**body, "max_tokens": 1})
+    for t in threads:
+        t.join()
+    assert code == 503 and headers.get("retry-after") == "1", payload
+    assert payload["error"]["type"] == "service_unavailable"
+    assert [r[0] for r in results] == [200, 200, 200]
+    cluster.wait_idle()
+
+
+def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, expected):
+    cluster.ensure(**OPS)
+    prompt, max_tokens = PROMPTS[2], 96
+    chunks = client(cluster).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    text, killed = [], None
+    for chunk in chunks:
+        text.extend(c.text for c in chunk.choices)
+        if killed is None and len(text) >= 3:
+            status = cluster.status()
+            (serving,) = [r["decode_replica"] for r in status["requests"]]
+            (killed,) = [r["pid"] for r in status["pools"]["decode"] if r["replica_id"] == serving]
+            os.kill(killed, signal.SIGKILL)
+    assert killed is not None
+    assert "".join(text) == expected(prompt, max_tokens)
+    status = cluster.status()
+    assert status["resumes"] == 1
+    cluster.wait_idle(timeout_s=180)  # Serve replaces the dead replica; the survivors hold nothing
+
+
+def test_scaling_each_pool_under_steady_load_fails_no_request(cluster, expected):
+    cluster.ensure(**{**OPS, "router.max_concurrent_requests": 64})
+    stop = threading.Event()
+    outcomes: list[tuple[int, str]] = []
+
+    def steady_load() -> None:
+        i = 0
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            code, _, payload = post(
+                cluster.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            )
+            outcomes.append((code, payload["choices"][0]["text"] if code == 200 else json.dumps(payload)))
+            i += 1
+
+    workers = [threading.Thread(target=steady_load) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        base = cluster.config
+        for prefill, decode in [(2, 2), (2, 1), (1, 1), (1, 2)]:
+            cluster.deploy(scale(base, prefill=prefill, decode=decode))
+            time.sleep(2)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert len(outcomes) > 8
+    failures = [o for o in outcomes if o[0] != 200]
+    assert not failures, failures[:3]
+    assert {text for _, text in outcomes} <= {expected(p, 6) for p in PROMPTS}
+    cluster.wait_idle()
+
+
+def scale(config, **counts):
+    from cluster.serve_cli import scaled
+
+    return scaled(config, counts)

@@ -1,0 +1,281 @@
+"""The orchestrator's retry, resume and cancellation rules, against scripted pool handles (no Ray).
+
+The real pools and Serve handles are exercised end to end in tests/cluster/test_serving.py; here
+each failure is staged exactly, which a live cluster cannot do deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray import exceptions as ray_exceptions
+
+from common.errors import InvalidRequestError, OverloadedError
+from common.sampling_params import SamplingParams
+from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
+from router.orchestrator import Orchestrator
+
+TOKENS = list(range(100, 140))  # what a greedy decode of any prompt yields, in this fake world
+
+
+def _actor_died() -> Exception:
+    return ray_exceptions.ActorDiedError()
+
+
+class FakeStream:
+    """One decode attempt: a ticket, then one delta per token; may die after ``die_after`` tokens."""
+
+    # (prompt, token) -> the text the engine emits with the token (default "<token>")
+    text_of: staticmethod = staticmethod(lambda prompt, token: f"<{token}>")
+
+    def __init__(self, request: ServeRequest, colocated: bool, die_after: int | None, error: str | None) -> None:
+        self.request = request
+        self.colocated = colocated
+        self.die_after = die_after
+        self.error = error
+        self.cancelled = False
+        self._items = self._generate()
+
+    async def _generate(self):
+        if self.error is not None:
+            yield StreamDelta(self.request.request_id, [], "", finish_reason="error", error=self.error)
+            return
+        if not self.colocated:
+            yield TicketIssued(self.request.request_id, {"request_id": self.request.request_id}, "d0")
+        # Greedy continuation: the prompt's last token decides where the sequence goes on.
+        start = len(self.request.prompt_token_ids) - 3  # prompts are 3 tokens long
+        max_tokens = self.request.sampling["max_tokens"]
+        for i, token in enumerate(TOKENS[start : start + max_tokens]):
+            if self.die_after is not None and i == self.die_after:
+                raise _actor_died()
+            last = i == max_tokens - 1
+            text = self.text_of(self.request.prompt_token_ids, token)
+            yield StreamDelta(self.request.request_id, [token], text, finish_reason="length" if last else None)
+            await asyncio.sleep(0)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._items.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeDecode:
+    def __init__(self, script: list[dict], colocated: bool = False) -> None:
+        self.script = script  # one dict of FakeStream options per attempt
+        self.colocated = colocated
+        self.streams: list[FakeStream] = []
+        self.generate = self
+
+    def options(self, stream: bool = False):
+        return self
+
+    def remote(self, request: ServeRequest) -> FakeStream:
+        options = self.script[len(self.streams)] if len(self.streams) < len(self.script) else {}
+        stream = FakeStream(request, self.colocated, options.get("die_after"), options.get("error"))
+        self.streams.append(stream)
+        return stream
+
+
+class FakeResponse:
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+        self.cancelled = False
+
+    def __await__(self):
+        async def resolve():
+            await asyncio.sleep(0)
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+        return resolve().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakePrefill:
+    def __init__(self, outcomes: list) -> None:
+        self.outcomes = outcomes
+        self.requests: list[ServeRequest] = []
+        self.prefill = self
+
+    def remote(self, request: ServeRequest) -> FakeResponse:
+        self.requests.append(request)
+        outcome = self.outcomes[len(self.requests) - 1] if len(self.requests) <= len(self.outcomes) else None
+        return FakeResponse(outcome or PrefillResult(request.request_id, 1, 0))
+
+
+def run(orchestrator: Orchestrator, params: SamplingParams) -> list[StreamDelta]:
+    async def collect():
+        return [d async for d in orchestrator.run("req", [1, 2, 3], params)]
+
+    return asyncio.run(collect())
+
+
+def tokens(deltas: list[StreamDelta]) -> list[int]:
+    return [t for d in deltas for t in d.new_token_ids]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def test_disaggregated_request_streams_every_token_once():
+    decode, prefill = FakeDecode([{}]), FakePrefill([])
+    deltas = run(Orchestrator(decode, prefill), GREEDY)
+    assert tokens(deltas) == TOKENS[:8] and deltas[-1].finish_reason == "length"
+    assert prefill.requests[0].kv_ticket == {"request_id": "req.0"}
+    assert all(d.request_id == "req" and d.num_prompt_tokens == 3 for d in deltas)
+
+
+def test_colocated_request_needs_no_prefill_pool():
+    deltas = run(Orchestrator(FakeDecode([{}], colocated=True), None), GREEDY)
+    assert tokens(deltas) == TOKENS[:8]
+
+
+def test_a_lost_prefill_replica_is_retried_once_and_the_first_reservation_cancelled():
+    decode, prefill = FakeDecode([{}, {}]), FakePrefill([_actor_died(), None])
+    orchestrator = Orchestrator(decode, prefill, max_retries=1)
+    deltas = run(orchestrator, GREEDY)
+    assert tokens(deltas) == TOKENS[:8]
+    assert [r.request_id for r in prefill.requests] == ["req.0", "req.1"]
+    assert decode.streams[0].cancelled and orchestrator.num_retries == 1
+
+
+def test_a_failed_hand_off_ends_the_attempt_at_once_and_retries():
+    decode = FakeDecode([{}, {}])
+    prefill = FakePrefill([PrefillResult("req.0", None, 0, "receiver gone"), None])
+    deltas = run(Orchestrator(decode, prefill), GREEDY)
+    assert tokens(deltas) == TOKENS[:8] and decode.streams[0].cancelled
+
+
+def test_a_decode_replica_lost_mid_stream_resumes_with_prompt_plus_sent_tokens():
+    decode, prefill = FakeDecode([{"die_after": 3}, {}]), FakePrefill([])
+    orchestrator = Orchestrator(decode, prefill)
+    deltas = run(orchestrator, GREEDY)
+    assert tokens(deltas) == TOKENS[:8]  # nothing lost, nothing repeated
+    resumed = decode.streams[1].request
+    assert resumed.prompt_token_ids == [1, 2, 3, *TOKENS[:3]] and resumed.sampling["max_tokens"] == 5
+    assert orchestrator.num_resumes == 1
+
+
+def test_stop_strings_cannot_resume_and_end_with_an_error_delta():
+    decode = FakeDecode([{"die_after": 3}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([])), SamplingParams(temperature=0, max_tokens=8, stop=["x"]))
+    assert tokens(deltas) == TOKENS[:3]
+    assert deltas[-1].finish_reason == "error" and "stop strings" in deltas[-1].error
+    assert len(decode.streams) == 1
+
+
+def test_retries_are_bounded():
+    decode = FakeDecode([{"die_after": 0}, {"die_after": 0}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([]), max_retries=1), GREEDY)
+    assert deltas[-1].finish_reason == "error" and len(decode.streams) == 2
+
+
+def test_pool_refusals_raise_so_the_router_can_answer_with_a_status():
+    with pytest.raises(OverloadedError):
+        run(Orchestrator(FakeDecode([{"error": "overloaded: no free KV blocks"}]), FakePrefill([])), GREEDY)
+    with pytest.raises(InvalidRequestError):
+        run(Orchestrator(FakeDecode([{"error": "invalid_request: bad"}]), FakePrefill([])), GREEDY)
+
+
+def test_closing_the_stream_early_cancels_the_decode_request():
+    decode = FakeDecode([{}])
+    orchestrator = Orchestrator(decode, FakePrefill([]))
+
+    async def read_two_then_leave():
+        deltas = orchestrator.run("req", [1, 2, 3], GREEDY)
+        got = [await deltas.__anext__(), await deltas.__anext__()]
+        await deltas.aclose()
+        return got
+
+    assert len(asyncio.run(read_two_then_leave())) == 2
+    assert decode.streams[0].cancelled
+
+
+def test_each_request_and_each_attempt_is_a_trace_span():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)  # the orchestrator's proxy tracer starts using it
+    run(Orchestrator(FakeDecode([{"die_after": 2}, {}]), FakePrefill([])), GREEDY)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    attempts = [s for s in exporter.get_finished_spans() if s.name == "pdserve.attempt"]
+    request = spans["pdserve.request"]
+    assert request.attributes["attempts"] == 2 and len(attempts) == 2
+    assert all(a.parent.span_id == request.context.span_id for a in attempts)
+    assert [e.name for e in attempts[1].events] == ["kv_ticket", "prefill_done", "first_token"]
+
+
+def test_resumed_text_is_recomputed_so_a_held_back_character_is_not_lost(monkeypatch):
+    # Tokens 102 and 103 are the two halves of "é": the engine emits nothing with 102 (held back)
+    # and "é" with 103 — unless 102 is in its prompt, as after a resume: then nothing at all. The
+    # replica dies after sending 102; the resumed stream must still emit "é".
+    def engine_text(prompt: list[int], token: int) -> str:
+        if token == 102:
+            return ""
+        if token == 103:
+            return "" if 102 in prompt else "é"
+        return f"<{token}>"
+
+    monkeypatch.setattr(FakeStream, "text_of", staticmethod(engine_text))
+
+    def detokenize(ids: list[int], skip_special_tokens: bool) -> str:
+        text = "".join("" if t == 103 else f"<{t}>" for t in ids)
+        return text.replace("<102>", "é" if 103 in ids else "\ufffd")
+
+    decode = FakeDecode([{"die_after": 3}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([]), detokenize=detokenize), GREEDY)
+    assert tokens(deltas) == TOKENS[:8]
+    assert "".join(d.new_text for d in deltas) == "<100><101>é<104><105><106><107>"
+
+
+def test_penalties_on_output_tokens_cannot_resume():
+    decode = FakeDecode([{"die_after": 3}, {}])
+    params = SamplingParams(temperature=0, max_tokens=8, frequency_penalty=0.5)
+    deltas = run(Orchestrator(decode, FakePrefill([])), params)
+    assert deltas[-1].finish_reason == "error" and "penalties" in deltas[-1].error
+
+
+def test_the_first_tokens_logprob_and_cache_hits_come_from_prefill():
+    from common.outputs import TokenLogprob
+
+    first = TokenLogprob(TOKENS[0], -0.5)
+    prefill = FakePrefill([PrefillResult("req.0", TOKENS[0], 16, first_logprob=first)])
+    deltas = run(Orchestrator(FakeDecode([{}]), prefill), SamplingParams(temperature=0, max_tokens=3, logprobs=0))
+    assert deltas[0].logprobs[0] == first
+    assert all(d.num_cached_tokens == 16 for d in deltas)
+
+
+def test_serve_back_pressure_is_a_503_and_other_pool_errors_are_retried():
+    from ray.serve.exceptions import BackPressureError
+
+    class Refusing(FakeDecode):
+        def remote(self, request):
+            stream = super().remote(request)
+            if len(self.streams) == 1:
+                stream._items = _raise(self.error)
+            return stream
+
+    async def _raise(exc):
+        raise exc
+        yield  # pragma: no cover
+
+    decode = Refusing([{}, {}])
+    decode.error = BackPressureError(num_queued_requests=8, max_queued_requests=8)
+    with pytest.raises(OverloadedError):
+        run(Orchestrator(decode, FakePrefill([])), GREEDY)
+    decode = Refusing([{}, {}])
+    decode.error = RuntimeError("engine call timed out")
+    assert tokens(run(Orchestrator(decode, FakePrefill([])), GREEDY)) == TOKENS[:8]

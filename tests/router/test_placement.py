@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from common.errors import ConfigError
+from common.serving import ReplicaReport
+from router.placement import (
+    POLICIES,
+    LeastLoadedPolicy,
+    NoReplicaAvailable,
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    make_policy,
+)
+
+
+def report(replica_id: str, role: str = "decode", **fields) -> ReplicaReport:
+    defaults = {"num_kv_blocks_free": 100, "num_kv_blocks_total": 100, "max_model_len": 4096}
+    return ReplicaReport(replica_id=replica_id, role=role, **{**defaults, **fields})
+
+
+def request(num_prompt_tokens: int = 32) -> PlacementRequest:
+    return PlacementRequest("req-1", num_prompt_tokens, prefix_block_hashes=("ab", "cd"))
+
+
+def test_ranks_by_load_waiting_dominates():
+    replicas = [
+        report("a", num_waiting=1),  # score 4
+        report("b", num_running=3),  # score 3
+        report("c", num_running=1, num_reserved=1),  # score 2
+        report("d", num_running=5),  # score 5
+        report("e"),  # score 0
+    ]
+    placement = LeastLoadedPolicy().choose(request(), replicas)
+    assert placement == Placement("e", placement.reason, ("e", "c", "b", "a", "d"))
+
+
+def test_ties_broken_by_kv_usage_then_id():
+    replicas = [
+        report("z", num_running=1, num_kv_blocks_free=50),
+        report("y", num_running=1, num_kv_blocks_free=90),
+        report("x", num_running=1, num_kv_blocks_free=50),
+    ]
+    assert LeastLoadedPolicy().choose(request(), replicas).ranking == ("y", "x", "z")
+
+
+def test_deterministic_regardless_of_input_order_and_does_not_mutate():
+    replicas = [report(f"r{i}", num_running=i % 3, num_kv_blocks_free=10 * (i % 2) + 5) for i in range(8)]
+    snapshot = copy.deepcopy(replicas)
+    policy = LeastLoadedPolicy()
+    first = policy.choose(request(), replicas)
+    shuffled = list(replicas)
+    random.Random(0).shuffle(shuffled)
+    assert policy.choose(request(), shuffled) == first
+    assert first.ranking == ("r3", "r0", "r6", "r1", "r7", "r4", "r5", "r2")
+    assert replicas == snapshot
+
+
+def test_draining_excluded():
+    replicas = [report("idle", draining=True), report("busy", num_running=9)]
+    placement = LeastLoadedPolicy().choose(request(), replicas)
+    assert (placement.replica_id, placement.ranking) == ("busy", ("busy",))
+
+
+def test_no_replicas_raises():
+    with pytest.raises(NoReplicaAvailable, match="no replicas have reported"):
+        LeastLoadedPolicy().choose(request(), [])
+
+
+def test_all_draining_raises():
+    with pytest.raises(NoReplicaAvailable, match="all 2 replicas are draining"):
+        LeastLoadedPolicy().choose(request(), [report("a", draining=True), report("b", draining=True)])
+
+
+def test_too_long_prompt_excludes():
+    replicas = [report("short", max_model_len=100), report("long", num_waiting=3, max_model_len=1000)]
+    # 99 prompt tokens + 1 generated fit in 100; 100 + 1 do not.
+    assert LeastLoadedPolicy().choose(request(99), replicas).ranking == ("short", "long")
+    assert LeastLoadedPolicy().choose(request(100), replicas).ranking == ("long",)
+    # max_model_len 0 means "not reported": no limit applied.
+    assert LeastLoadedPolicy().choose(request(10**6), [report("unknown", max_model_len=0)]).replica_id == "unknown"
+
+
+def test_too_long_everywhere_raises_with_numbers():
+    replicas = [report("a", max_model_len=100), report("b", max_model_len=200), report("c", draining=True)]
+    with pytest.raises(NoReplicaAvailable) as info:
+        LeastLoadedPolicy().choose(request(500), replicas)
+    message = str(info.value)
+    assert "500 tokens" in message and "1 draining" in message and "at most 200 tokens" in message
+
+
+def test_kv_full_decode_ranked_last():
+    # 32 prompt tokens + 1 = 33 tokens = 3 blocks of 16.
+    replicas = [
+        report("full", num_kv_blocks_free=2),
+        report("roomy", num_waiting=2, num_kv_blocks_free=3),
+        report("fuller", num_kv_blocks_free=0),
+    ]
+    placement = LeastLoadedPolicy(block_size=16).choose(request(32), replicas)
+    assert placement.ranking == ("roomy", "full", "fuller")
+    # With 64-token blocks one block holds the prompt: only "fuller" lacks room.
+    assert LeastLoadedPolicy(block_size=64).choose(request(32), replicas).ranking == ("full", "roomy", "fuller")
+
+
+def test_kv_full_only_matters_for_decode():
+    replicas = [report("p1", role="prefill", num_kv_blocks_free=0), report("p2", role="prefill", num_running=1)]
+    assert LeastLoadedPolicy().choose(request(), replicas).ranking == ("p1", "p2")
+
+
+def test_reason_names_the_numbers():
+    replicas = [report("a", num_waiting=0, num_running=1, num_reserved=2, num_kv_blocks_free=88)]
+    placement = LeastLoadedPolicy().choose(request(), replicas)
+    assert placement.reason == "least loaded: 0 waiting, 1 running, 2 reserved, KV 12% used"
+
+
+def test_reason_says_when_no_replica_has_room():
+    placement = LeastLoadedPolicy().choose(request(32), [report("a", num_kv_blocks_free=1)])
+    assert placement.replica_id == "a"
+    assert "no decode replica has 3 free KV blocks (1 here)" in placement.reason
+
+
+def test_make_policy():
+    policy = make_policy("least_loaded", block_size=32)
+    assert isinstance(policy, LeastLoadedPolicy) and isinstance(policy, PlacementPolicy)
+    assert (policy.name, policy.block_size) == ("least_loaded", 32)
+    assert set(POLICIES) == {"least_loaded"}
+
+
+def test_unknown_policy_names_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown placement policy 'random'; set it to one of: least_loaded"):
+        make_policy("random")
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 1.5, True])
+def test_bad_block_size(block_size):
+    with pytest.raises(ConfigError, match="block_size"):
+        LeastLoadedPolicy(block_size=block_size)
+
+
+def test_policy_contract_is_abstract():
+    with pytest.raises(TypeError):
+        PlacementPolicy()  # type: ignore[abstract]
