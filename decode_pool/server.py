@@ -14,8 +14,10 @@ mode the same replica runs the prefill too: no ticket, the deltas start at once.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from common.config import EngineConfig, EngineRole
@@ -30,6 +32,7 @@ from engine.replica import EngineReplica, serve_replica_id
 from kv_transfer import make_ticket
 
 logger = logging.getLogger(__name__)
+_RESERVE_POLL_S = 0.05
 
 
 class DecodeState(str, enum.Enum):
@@ -72,6 +75,7 @@ class DecodeServer(EngineReplica):
         self.backend = config.kv_connector.options.get("backend", "shm")
         self.kv_lease_s = kv_lease_s
         self.item_timeout_s = item_timeout_s
+        self.reserve_timeout_s = min(kv_lease_s, item_timeout_s)
         logger.info("decode replica %s ready (%s)", self.replica_id, config.scheduler.role.value)
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TicketIssued | StreamDelta]:
@@ -88,7 +92,7 @@ class DecodeServer(EngineReplica):
                     lambda e: e.add_request(request_id, request.prompt_token_ids, params, request.cache_salt)
                 )
             else:
-                ticket = await self.engine.call(lambda e: self._reserve(e, request, params))
+                ticket = await self._reserve_when_blocks_free(request, params)
                 yield TicketIssued(request_id, ticket, self.replica_id)
         except (InvalidRequestError, OverloadedError) as exc:
             self.engine.close_stream(request_id)
@@ -102,12 +106,23 @@ class DecodeServer(EngineReplica):
         async for output in self.engine.stream(request_id, outputs, self.item_timeout_s):
             yield to_delta(output, self.replica_id)
 
-    def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict:
-        """On the engine thread: hold blocks, register the ticket on every shard, return it."""
+    async def _reserve_when_blocks_free(self, request: ServeRequest, params: SamplingParams) -> dict:
+        """Running requests free blocks as they finish: wait for room (bounded) rather than refuse at once."""
+        deadline = time.monotonic() + self.reserve_timeout_s
+        while True:
+            ticket = await self.engine.call(lambda e: self._reserve(e, request, params))
+            if ticket is not None:
+                return ticket
+            if time.monotonic() > deadline:
+                raise OverloadedError("no decode replica has free KV blocks for this prompt now; retry later")
+            await asyncio.sleep(_RESERVE_POLL_S)
+
+    def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
+        """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""
         request_id = request.request_id
         block_ids = engine.reserve(request_id, request.prompt_token_ids, params, request.cache_salt)
         if block_ids is None:
-            raise OverloadedError(f"decode replica {self.replica_id} has no free KV blocks for this prompt now")
+            return None
         ticket = make_ticket(
             request_id,
             self.backend,

@@ -7,9 +7,15 @@ their request methods; Serve calls ``record_routing_stats`` and ``check_health``
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.serving import ReplicaReport
 from engine.async_engine import AsyncEngine, load_report
+
+# Prefix blocks a report names, newest last: what a cache-aware placement policy matches prompts
+# against. Bounded, so a report stays a few kilobytes.
+RECENT_BLOCKS = 256
 
 
 class EngineReplica:
@@ -17,10 +23,30 @@ class EngineReplica:
         self.engine = engine
         self.replica_id = replica_id
         self.draining = False
+        self._recent_blocks: OrderedDict[bytes, None] = OrderedDict()  # touched by the event loop only
 
     async def report(self) -> dict:
-        fields = await self.engine.call(load_report, timeout_s=10)
-        return ReplicaReport(replica_id=self.replica_id, draining=self.draining, pid=os.getpid(), **fields).to_dict()
+        fields, events = await self.engine.call(lambda e: (load_report(e), e.take_kv_events()), timeout_s=10)
+        for event in events:
+            if isinstance(event, BlockStored):
+                for block_hash in event.block_hashes:
+                    self._recent_blocks[block_hash] = None
+                    self._recent_blocks.move_to_end(block_hash)
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    self._recent_blocks.pop(block_hash, None)
+            elif isinstance(event, AllBlocksCleared):
+                self._recent_blocks.clear()
+        while len(self._recent_blocks) > RECENT_BLOCKS:
+            self._recent_blocks.popitem(last=False)
+        recent = [block_hash.hex() for block_hash in self._recent_blocks]
+        return ReplicaReport(
+            replica_id=self.replica_id,
+            draining=self.draining,
+            pid=os.getpid(),
+            recent_block_hashes=recent,
+            **fields,
+        ).to_dict()
 
     async def record_routing_stats(self) -> dict:
         return await self.report()

@@ -271,3 +271,26 @@ def scale(config, **counts):
     from cluster.serve_cli import scaled
 
     return scaled(config, counts)
+
+
+def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expected, tokenizer):
+    cluster.ensure(**{**OPS, "router.max_concurrent_requests": 64, "prefill.replicas": 2})
+    status = cluster.status()
+    prompts = [f"{long_text(2)} Question {i}: what did the keepers do?" for i in range(6)]
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        response = client(cluster).completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
+        results[i] = response.choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the prefill pool is busy for seconds with these prompts
+    victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join()
+    assert results == {i: expected(p, 6) for i, p in enumerate(prompts)}
+    assert cluster.status()["retries"] >= 1
+    cluster.wait_idle(timeout_s=180)
