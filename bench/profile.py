@@ -24,10 +24,10 @@ from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 
 
-def _engine(tp: int, kv_cache_memory: int, dtype: str) -> LLMEngine:
+def _engine(tp: int, kv_cache_memory: int, dtype: str, model: str | None) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(dtype=dtype),
+            model=ModelConfig(model=model, dtype=dtype),
             cache=CacheConfig(kv_cache_memory=kv_cache_memory, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
             parallel=ParallelConfig(tensor_parallel_size=tp),
@@ -64,8 +64,10 @@ def _time_decode(engine: LLMEngine, prompts: list[list[int]], tag: str, num_step
     return statistics.median(times)
 
 
-def profile(tp: int, quick: bool, dtype: str, kv_cache_memory: int) -> tuple[ProfiledModel, list[dict]]:
-    engine = _engine(tp, kv_cache_memory, dtype)
+def profile(
+    tp: int, quick: bool, dtype: str, kv_cache_memory: int, model: str | None = None
+) -> tuple[ProfiledModel, list[dict]]:
+    engine = _engine(tp, kv_cache_memory, dtype, model)
     try:
         tokenizer = engine.tokenizer
         lengths = [16, 64, 256, 512] if quick else [16, 32, 64, 128, 256, 512, 1024]
@@ -115,6 +117,7 @@ def profile(tp: int, quick: bool, dtype: str, kv_cache_memory: int) -> tuple[Pro
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-memory", type=int, default=512 * 2**20)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     merged: ProfiledModel | None = None
     all_rows = []
     for tp in args.tp:
-        model, rows = profile(tp, args.quick, args.dtype, args.kv_cache_memory)
+        model, rows = profile(tp, args.quick, args.dtype, args.kv_cache_memory, args.model)
         merged = model if merged is None else merged.merged(model)
         all_rows += [{"tp": tp, **row} for row in rows]
     assert merged is not None
