@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     out = Path(args.out) if args.out else RESULTS_DIR / f"plan_{name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(result.to_yaml())
+    hint = (
+        "" if args.profile else f"# Set `model:` to {args.model}'s weights before `pdserve serve --config` this file.\n"
+    )
+    out.write_text(hint + result.to_yaml())
     print(f"wrote the recommended cluster config to {out}")
     summary = {"args": vars(args), "rows": rows, "disagg_over_colocated": ratio, "disagg_over_colocated_tp1": ratio_tp1}
     write_json(f"plan_{name}", summary)

@@ -91,7 +91,8 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     if role == "prefill":
         server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s)
     else:
-        server, args = DecodeServer, (engine_config.to_dict(), launcher, config.router.kv_lease_s, timeout_s)
+        lease = (config.router.kv_lease_s, config.router.kv_lease_per_token_s)
+        server, args = DecodeServer, (engine_config.to_dict(), launcher, lease, timeout_s)
     return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)
 
 

@@ -86,6 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         seconds = app.deploy(config)
         signal.signal(signal.SIGTERM, _terminate)  # after ray.init, which installs a handler of its own
+        # Also when started in the background by a script, where SIGINT arrives ignored.
+        signal.signal(signal.SIGINT, _terminate)
         port = app.http_port()
         _write_state(config, port)
         print(
@@ -149,7 +151,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{r['num_reserved']:>8} {used:>7.0%} {r['num_blocks_held']:>5}"
             )
     metrics = status.get("metrics", {})
-    print({k: v for k, v in metrics.items() if v is not None})
+    medians = ", ".join(
+        f"{name} {metrics[key] * 1e3:.0f} ms"
+        for name, key in (("TTFT", "ttft_median_s"), ("TPOT", "tpot_median_s"), ("E2E", "e2e_median_s"))
+        if metrics.get(key) is not None
+    )
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(metrics.get("outcomes", {}).items()))
+    print(
+        f"recent medians: {medians or '-'}; outcomes: {outcomes or '-'}; retries {status.get('retries', 0)}, "
+        f"resumes {status.get('resumes', 0)}"
+    )
     return 0
 
 

@@ -66,16 +66,16 @@ class DecodeServer(EngineReplica):
         self,
         engine_config: dict,
         launcher: WorkerLauncher | None = None,
-        kv_lease_s: float = 30.0,
+        kv_lease: tuple[float, float] = (30.0, 0.0),
         item_timeout_s: float = 600.0,
     ) -> None:
         config = EngineConfig.from_dict(engine_config)
         super().__init__(AsyncEngine(LLMEngine(config, launcher)), serve_replica_id())
         self.colocated = config.scheduler.role is EngineRole.COLOCATED
         self.backend = config.kv_connector.options.get("backend", "shm")
-        self.kv_lease_s = kv_lease_s
+        self.kv_lease_s, self.kv_lease_per_token_s = kv_lease  # base, and per prompt token
         self.item_timeout_s = item_timeout_s
-        self.reserve_timeout_s = min(kv_lease_s, item_timeout_s)
+        self.reserve_timeout_s = min(self.kv_lease_s, item_timeout_s)
         logger.info("decode replica %s ready (%s)", self.replica_id, config.scheduler.role.value)
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TicketIssued | StreamDelta]:
@@ -131,7 +131,7 @@ class DecodeServer(EngineReplica):
             engine.model_id,
             block_ids,
             len(request.prompt_token_ids),
-            self.kv_lease_s,
+            self.kv_lease_s + self.kv_lease_per_token_s * len(request.prompt_token_ids),
         ).to_dict()
         engine.expect_kv(request_id, ticket)
         return ticket

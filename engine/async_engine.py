@@ -13,6 +13,7 @@ so the host can be restarted.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -29,6 +30,7 @@ from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_MAX_KV_EVENTS = 4096
 
 
 @dataclass(slots=True)
@@ -56,6 +58,9 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.error: str | None = None  # why the engine thread stopped, if it failed
         self.num_steps = 0
+        # Published by the engine thread after every step, so a report never waits for a long step.
+        self.snapshot: dict[str, Any] = load_report(engine)
+        self.kv_events: collections.deque = collections.deque(maxlen=_MAX_KV_EVENTS)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -131,13 +136,15 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 busy = self.engine.has_unfinished_requests()
-                self._run_commands(block=not busy)
+                if self._run_commands(block=not busy):
+                    self._publish()
                 if self._stopping.is_set():
                     break
                 if not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
                 self.num_steps += 1
+                self._publish()  # before the outputs go out: a caller that sees them sees this state
                 self._dispatch(outputs)
                 self._check_handoffs()
                 if not outputs and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
@@ -147,13 +154,20 @@ class AsyncEngine:
             logger.exception("engine thread failed")
             self._fail_all(self.error)
 
-    def _run_commands(self, block: bool) -> None:
+    def _publish(self) -> None:
+        self.snapshot = load_report(self.engine)
+        self.kv_events.extend(self.engine.take_kv_events())  # bounded: the oldest fall off
+
+    def _run_commands(self, block: bool) -> int:
+        """Run the queued commands (waiting up to 0.1 s for one when ``block``); how many ran."""
         timeout = 0.1 if block else None
+        num_run = 0
         while True:
             try:
                 fn, future = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
-                return
+                return num_run
+            num_run += 1
             block = False  # after the first command, drain without waiting
             if future is None:
                 try:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.serving import ReplicaReport
-from engine.async_engine import AsyncEngine, load_report
+from engine.async_engine import AsyncEngine
 
 # Prefix blocks a report names, newest last: what a cache-aware placement policy matches prompts
 # against. Bounded, so a report stays a few kilobytes.
@@ -26,7 +26,10 @@ class EngineReplica:
         self._recent_blocks: OrderedDict[bytes, None] = OrderedDict()  # touched by the event loop only
 
     async def report(self) -> dict:
-        fields, events = await self.engine.call(lambda e: (load_report(e), e.take_kv_events()), timeout_s=10)
+        fields = self.engine.snapshot  # published after every step: no wait behind a long prefill
+        events = []
+        while self.engine.kv_events:
+            events.append(self.engine.kv_events.popleft())
         for event in events:
             if isinstance(event, BlockStored):
                 for block_hash in event.block_hashes:

@@ -185,7 +185,7 @@ class Orchestrator:
                         prefilled = _check_prefill(task, request.request_id)
                     delta = await next_item
                 except BaseException:
-                    next_item.cancel()
+                    _discard(next_item)
                     raise
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
                 if num_yielded == 0:
@@ -197,7 +197,7 @@ class Orchestrator:
                 yield delta
         finally:
             if prefill_task is not None:
-                prefill_task.cancel()
+                _discard(prefill_task)
             if not finished:
                 stream.cancel()  # the decode replica aborts the request and frees its blocks
             span.set_attribute("finished", finished)
@@ -230,6 +230,13 @@ class Orchestrator:
             if _is_replica_loss(exc):
                 raise ReplicaLost(f"decode replica lost: {type(exc).__name__}") from exc
             raise
+
+
+def _discard(task: asyncio.Future) -> None:
+    """Cancel a task nobody will await; whatever it ends with (Serve raises its own
+    RequestCancelledError) is retrieved here, so asyncio does not log it as lost."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _check_prefill(task: asyncio.Task, request_id: str) -> PrefillResult:

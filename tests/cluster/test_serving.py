@@ -225,6 +225,7 @@ def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, 
             status = cluster.status()
             (serving,) = [r["decode_replica"] for r in status["requests"]]
             (killed,) = [r["pid"] for r in status["pools"]["decode"] if r["replica_id"] == serving]
+            assert killed > 0  # never os.kill(0, ...): that is this whole process group
             os.kill(killed, signal.SIGKILL)
     assert killed is not None
     assert "".join(text) == expected(prompt, max_tokens)
@@ -276,6 +277,11 @@ def scale(config, **counts):
 def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expected, tokenizer):
     cluster.ensure(**{**OPS, "router.max_concurrent_requests": 64, "prefill.replicas": 2})
     status = cluster.status()
+    deadline = time.monotonic() + 60
+    while len([r for r in status["pools"].get("prefill", []) if r["pid"] > 0]) < 2:  # both replicas reported
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+        status = cluster.status()
     prompts = [f"{long_text(2)} Question {i}: what did the keepers do?" for i in range(6)]
     results: dict[int, str] = {}
 
@@ -288,6 +294,7 @@ def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expect
         t.start()
     time.sleep(0.5)  # the prefill pool is busy for seconds with these prompts
     victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
+    assert victim["pid"] > 0  # never os.kill(0, ...): that is this whole process group
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
         t.join()
