@@ -12,11 +12,9 @@ import dataclasses
 import json
 import logging
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 from cluster.cluster_config import ClusterConfig, load_cluster_config, parse_override
@@ -214,11 +212,3 @@ def add_subcommands(sub: Any) -> None:
     scale = sub.add_parser("scale", help="resize pools of the running cluster, e.g. prefill=2 decode=1")
     scale.add_argument("pools", nargs="+", metavar="POOL=N")
     scale.set_defaults(func=cmd_scale)
-
-
-def state_path() -> Path:
-    return env.run_state_file()
-
-
-if __name__ == "__main__":
-    sys.exit(0)

@@ -22,7 +22,6 @@ class ServeRequest:
     sampling: dict[str, Any]  # SamplingParams.to_dict()
     cache_salt: str | None = None
     kv_ticket: dict[str, Any] | None = None  # prefill only: where to push the KV
-    deadline_s: float | None = None  # time.time() after which the request is no longer wanted
 
 
 @dataclass(frozen=True, slots=True)

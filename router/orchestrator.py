@@ -113,7 +113,6 @@ class Orchestrator:
                 prompt_token_ids=prompt_token_ids + sent_ids,
                 sampling=attempt_params.to_dict(),
                 cache_salt=cache_salt,
-                deadline_s=time.time() + max(deadline - time.monotonic(), 0.0),
             )
             resumed = bool(sent_ids)
             span.set_attribute("attempts", attempt + 1)

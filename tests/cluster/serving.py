@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+from bench.server_process import free_port
 from cluster import app
 from cluster.cluster_config import ClusterConfig, load_cluster_config
 
 MODEL = "SmolLM2-135M-Instruct"
 # Small KV budgets keep start-up quick; 16 MiB still holds ~350 tokens per shard of SmolLM2.
 BASE = {"kv_cache_memory": 32 * 2**20, "dtype": "float32", "router.kv_lease_s": 30.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 30.0) -> Any:
