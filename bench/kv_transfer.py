@@ -1,26 +1,36 @@
 """KV transfer: GB/s and latency per backend, next to this machine's ceilings measured in the same run.
 
-    python -m bench.kv_transfer [--backends inproc shm grpc torch] [--tokens 128 1024 8192] [--repeats 3]
+    python -m bench.kv_transfer [--backends inproc shm shm-staged grpc torch] [--tokens 128 1024 8192]
+                                [--repeats 3] [--fragmented]
 
 Layouts: SmolLM2-135M (30 layers, 3 KV heads x 64, float32 as it runs on CPU) and an 8B-class
-model (32 layers, 8 KV heads x 128, bfloat16). Ceilings: memcpy (torch copy of 1 GiB; the limit
-for shared memory) and a raw loopback TCP stream (the limit for network backends). The overlap
-column pushes the layers of the 1k-token SmolLM2 transfer behind a simulated per-layer compute
-time longer than one layer's transfer, and reports the share of the transfer hidden by it.
+model (32 layers, 8 KV heads x 128, bfloat16). The receiver runs in its own process, as a decode
+replica does ("inproc" excepted). "shm" reads the sender's cache in place (a prefill engine
+allocates it in shared memory for this backend); "shm-staged" sends from a private cache.
+
+Ceilings: memcpy (torch copy of 1 GiB; the limit for shared memory), a raw loopback TCP stream
+(the limit for network backends), and what grpcio and gloo reach on their own here ("of library").
+The "hidden %" column pushes each transfer's layers behind a simulated per-layer compute time of
+twice one layer's transfer, and reports the share of the transfer that compute hid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mp
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 
 from bench.common import print_table, write_json
 from common.kv_layout import KVCacheLayout
-from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
+from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
+from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
 from kv_transfer.transport import available_backends, get_transport
 
 LAYOUTS = {
@@ -73,6 +83,70 @@ def tcp_bandwidth(num_bytes: int = 1 << 30, chunk: int = 4 << 20) -> float:
     return received[0] / elapsed
 
 
+def _grpc_stream_bandwidth(num_bytes: int = 512 << 20, piece: int = 1 << 20) -> float:
+    """grpcio's own ceiling here: one client stream of raw byte messages to a server that drops
+    them (no protobuf, no copies of ours), in one process as the transfer benches run."""
+    import grpc
+
+    from kv_transfer.backends.grpc_backend import _channel_options
+
+    def drain(messages, context):
+        for _ in messages:
+            pass
+        return b""
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), options=_channel_options(piece))
+    handler = grpc.stream_unary_rpc_method_handler(drain, lambda b: b, lambda b: b)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Sink", {"Drain": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_channel_options(piece))
+    push = channel.stream_unary("/bench.Sink/Drain", lambda b: b, lambda b: b)
+    data = bytes(piece)
+    push(iter([data] * 16), timeout=60)  # warm-up
+    best = min(_timed(lambda: push(iter([data] * (num_bytes // piece)), timeout=120)) for _ in range(2))
+    channel.close()
+    server.stop(0)
+    return num_bytes / best
+
+
+def _gloo_peer(port: int, num_bytes: int, chunk: int) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=60))
+    buf = torch.empty(chunk, dtype=torch.uint8)
+    for _ in range(3 * (num_bytes // chunk) + 1):
+        group.recv([buf], 0, 0).wait()
+    group.send([buf[:1]], 0, 1).wait()
+
+
+def gloo_bandwidth(num_bytes: int = 512 << 20, chunk: int = 32 << 20) -> float:
+    """torch.distributed's gloo send/recv between two processes on loopback: the torch backend's ceiling."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(target=_gloo_peer, args=(store.port, num_bytes, chunk), daemon=True)
+    peer.start()
+    try:
+        group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
+        buf = torch.ones(chunk, dtype=torch.uint8)
+        group.send([buf], 1, 0).wait()  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(num_bytes // chunk):
+                group.send([buf], 1, 0).wait()
+            times.append(time.perf_counter() - start)
+        group.recv([buf[:1]], 1, 1).wait()  # the peer has received everything
+        return num_bytes / min(times)
+    finally:
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -91,35 +165,93 @@ def _layout(spec: dict, num_blocks: int) -> KVCacheLayout:
     )
 
 
-class Pair:
-    """One sender and one receiver shard over a backend, with caches big enough for ``tokens``."""
+def _receiver_process(conn, backend: str, spec: dict, tokens: int) -> None:
+    """A decode shard in its own process, as deployed (no GIL shared with the sender): serves a
+    receiver and registers the tickets the parent sends it."""
+    num_blocks = -(-tokens // BLOCK)
+    layout = _layout(spec, num_blocks)
+    dst = [torch.zeros(layout.layer_shape, dtype=_TORCH_DTYPES[spec["dtype"]]) for _ in range(spec["num_layers"])]
+    transport = get_transport(backend)
+    receiver = KVReceiver(dst, layout, backend)
+    conn.send(transport.serve(receiver))
+    while True:
+        op, arg = conn.recv()
+        if op == "expect":
+            receiver.expect(KVTicket.from_dict(arg))
+            conn.send(True)
+        elif op == "finish":  # the sender saw DONE: confirm on this side, then forget the ticket
+            status = receiver.poll(arg)
+            stats = receiver.stats(arg)
+            receiver.release(arg)
+            conn.send((status.state.name, status.reason, stats.first_layer_time if stats else None))
+        else:
+            transport.shutdown()
+            conn.send(True)
+            return
 
-    def __init__(self, backend: str, spec: dict, tokens: int) -> None:
+
+class Pair:
+    """One sender and one receiver shard over a backend, with caches big enough for ``tokens``.
+    The receiver runs in a child process (as a decode replica would), except for "inproc"."""
+
+    def __init__(self, backend: str, spec: dict, tokens: int, fragmented: bool = False) -> None:
         self.num_blocks = -(-tokens // BLOCK)
         self.layout = _layout(spec, self.num_blocks)
         dtype = _TORCH_DTYPES[spec["dtype"]]
-        self.src = [torch.randn(self.layout.layer_shape).to(dtype) for _ in range(spec["num_layers"])]
-        self.dst = [torch.zeros(self.layout.layer_shape, dtype=dtype) for _ in range(spec["num_layers"])]
+        # "shm": the source cache in shared memory, as a prefill engine allocates it for this
+        # backend (the receiver pulls); "shm-staged": a private source, copied through staging.
+        shared = backend == "shm"
+        backend = backend.removesuffix("-staged")
+        self.src, self._region = allocate_kv_caches(
+            self.layout.layer_shape, spec["num_layers"], dtype, torch.device("cpu"), shared=shared
+        )
+        for layer in self.src:
+            layer.copy_(torch.randn(self.layout.layer_shape))
+        # A fresh cache hands out consecutive blocks; a long-running one, scattered ones.
+        order = torch.randperm(self.num_blocks).tolist() if fragmented else list(range(self.num_blocks))
+        self.src_blocks, self.dst_blocks = order, (order[::-1] if fragmented else order)
         self.transport = get_transport(backend)
-        self.receiver = KVReceiver(self.dst, self.layout, backend)
-        self.endpoint = self.transport.serve(self.receiver)
+        self.receiver: KVReceiver | None = None
+        self.child = None
+        if backend == "inproc":
+            dst = [torch.zeros(self.layout.layer_shape, dtype=dtype) for _ in range(spec["num_layers"])]
+            self.receiver = KVReceiver(dst, self.layout, backend)
+            self.endpoint = self.transport.serve(self.receiver)
+        else:
+            ctx = mp.get_context("spawn")
+            self.conn, child_conn = ctx.Pipe()
+            self.child = ctx.Process(target=_receiver_process, args=(child_conn, backend, spec, tokens), daemon=True)
+            self.child.start()
+            if not self.conn.poll(120):
+                raise TimeoutError("the receiver process did not start within 120 s")
+            self.endpoint = self.conn.recv()
         self.sender = KVSender(self.layout, "bench", self.transport, with_checksums=False)
         self.tokens = tokens
         self.count = 0
 
+    def _call(self, op: str, arg):
+        self.conn.send((op, arg))
+        if not self.conn.poll(60):
+            raise TimeoutError(f"the receiver process did not answer {op!r}")
+        return self.conn.recv()
+
     def run(self, compute_per_layer_s: float = 0.0) -> tuple[float, float, float]:
-        """One transfer; returns (seconds until the receiver is DONE, time to its first complete layer,
-        seconds the simulated compute actually took)."""
+        """One transfer; returns (seconds until the sender saw DONE — every chunk and the final
+        message acknowledged —, seconds until layer 0 sat in the receiver's blocks, seconds the
+        simulated compute actually took)."""
         self.count += 1
         request_id = f"r{self.count}"
-        blocks = list(range(self.num_blocks))
         ticket = make_ticket(
-            request_id, self.transport.name, [self.endpoint], self.layout, "bench", blocks, self.tokens, 120
+            request_id, self.transport.name, [self.endpoint], self.layout, "bench", self.dst_blocks, self.tokens, 120
         )
-        self.receiver.expect(ticket)
+        if self.receiver is not None:
+            self.receiver.expect(ticket)
+        else:
+            self._call("expect", ticket.to_dict())
         start = time.perf_counter()
+        start_monotonic = time.monotonic()  # CLOCK_MONOTONIC: comparable with the receiver process's
         compute = 0.0
-        self.sender.start(ticket, blocks)
+        self.sender.start(ticket, self.src_blocks)
         for layer, kv in enumerate(self.src):
             if compute_per_layer_s:
                 began = time.perf_counter()
@@ -127,19 +259,26 @@ class Pair:
                 compute += time.perf_counter() - began
             self.sender.send_layer(request_id, layer, kv)
         self.sender.finish(request_id, 0)
-        first_layer = None
         while True:
-            status = self.receiver.poll(request_id)
-            if first_layer is None and status.layers_complete >= 1:
-                first_layer = time.perf_counter() - start
+            status = self.sender.poll(request_id)
             if status.state.is_terminal:
                 break
             time.sleep(0.0002)
         elapsed = time.perf_counter() - start
         assert status.state is TransferState.DONE, status.reason
-        self.receiver.release(request_id)
+        if self.receiver is not None:
+            received = self.receiver.poll(request_id)
+            stats = self.receiver.stats(request_id)
+            first_layer_at = stats.first_layer_time if stats else None
+            self.receiver.release(request_id)
+            assert received.state is TransferState.DONE, received.reason
+        else:
+            state, reason, first_layer_at = self._call("finish", request_id)
+            assert state == "DONE", reason
         self.sender.release(request_id)
-        return elapsed, first_layer or elapsed, compute
+        # When the receiver had every segment of layer 0 written into its blocks.
+        first_layer = first_layer_at - start_monotonic if first_layer_at is not None else elapsed
+        return elapsed, first_layer, compute
 
     @property
     def num_bytes(self) -> int:
@@ -147,7 +286,14 @@ class Pair:
 
     def close(self) -> None:
         self.sender.close()
+        if self.child is not None:
+            with contextlib.suppress(Exception):
+                self._call("stop", None)
+            self.child.join(10)
+            if self.child.is_alive():
+                self.child.kill()
         self.transport.shutdown()
+        release_kv_caches(self._region)
 
 
 def _busy_wait(seconds: float) -> None:
@@ -157,22 +303,32 @@ def _busy_wait(seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=available_backends())
+    parser.add_argument("--backends", nargs="+", default=[*available_backends(), "shm-staged"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 8192])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fragmented", action="store_true", help="scattered block ids (a long-running cache)")
     args = parser.parse_args(argv)
 
     memcpy = memcpy_bandwidth()
     tcp = tcp_bandwidth()
+    # What the libraries themselves reach here, on the same loopback, with nothing of ours around them.
+    library = {"grpc": _grpc_stream_bandwidth() if "grpc" in args.backends else None}
+    library["torch"] = gloo_bandwidth() if "torch" in args.backends else None
     print(f"ceilings: memcpy {memcpy / 1e9:.1f} GB/s (bytes copied), loopback TCP {tcp / 1e9:.2f} GB/s")
+    for name, value in library.items():
+        if value is not None:
+            print(
+                f"  bare {'grpcio stream' if name == 'grpc' else 'gloo send/recv'}: {value / 1e9:.2f} GB/s"
+                f" = {value / tcp:.2f} of TCP"
+            )
     rows = []
     for backend in args.backends:
-        ceiling = memcpy if backend in ("shm", "inproc") else tcp
+        ceiling = memcpy if backend.split("-")[0] in ("shm", "inproc") else tcp
         for name in args.layouts:
             for tokens in args.tokens:
                 try:
-                    pair = Pair(backend, LAYOUTS[name], tokens)
+                    pair = Pair(backend, LAYOUTS[name], tokens, args.fragmented)
                 except Exception as exc:  # a backend that cannot start here is reported, not fatal
                     rows.append({"backend": backend, "layout": name, "tokens": tokens, "note": f"{exc}"[:60]})
                     continue
@@ -190,20 +346,40 @@ def main(argv: list[str] | None = None) -> dict:
                         "GB/s": pair.num_bytes / best / 1e9,
                         "of ceiling": pair.num_bytes / best / ceiling,
                     }
-                    if name == "smollm2-135m" and tokens == 1024:
-                        per_layer = best / LAYOUTS[name]["num_layers"]
-                        compute = 2 * per_layer  # compute per layer exceeds transfer per layer
-                        overlapped, _, compute_total = pair.run(compute_per_layer_s=compute)
-                        row["hidden %"] = 100 * max(0.0, min(1.0, (compute_total + best - overlapped) / best))
+                    if library.get(backend):
+                        row["of library"] = pair.num_bytes / best / library[backend]
+                    per_layer = best / LAYOUTS[name]["num_layers"]
+                    compute = 2 * per_layer  # compute per layer exceeds transfer per layer
+                    overlapped, _, compute_total = pair.run(compute_per_layer_s=compute)
+                    row["hidden %"] = 100 * max(0.0, min(1.0, (compute_total + best - overlapped) / best))
                     rows.append(row)
                 finally:
                     pair.close()
     print_table(
         "KV transfer, one sender shard -> one receiver shard",
         rows,
-        ["backend", "layout", "tokens", "MB", "ms", "first layer ms", "GB/s", "of ceiling", "hidden %", "note"],
+        [
+            "backend",
+            "layout",
+            "tokens",
+            "MB",
+            "ms",
+            "first layer ms",
+            "GB/s",
+            "of ceiling",
+            "of library",
+            "hidden %",
+            "note",
+        ],
     )
-    payload = {"args": vars(args), "memcpy_bytes_per_s": memcpy, "tcp_bytes_per_s": tcp, "rows": rows}
+    payload = {
+        "args": vars(args),
+        "memcpy_bytes_per_s": memcpy,
+        "tcp_bytes_per_s": tcp,
+        "grpc_stream_bytes_per_s": library["grpc"],
+        "gloo_bytes_per_s": library["torch"],
+        "rows": rows,
+    }
     write_json("kv_transfer", payload)
     return payload
 

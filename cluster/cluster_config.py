@@ -131,16 +131,18 @@ class ClusterConfig:
         if not isinstance(self.router, RouterConfig):
             raise ConfigError(f"router={self.router!r} must be a RouterConfig")
         self._model_config()
-        self._cache_config()
+        self._cache_config(self.pools()[0])  # validates the cache fields now
 
     def _model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len)
 
-    def _cache_config(self) -> CacheConfig:
+    def _cache_config(self, pool: str) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
+            # Decode replicas on this host read a prefill replica's blocks in place over shm.
+            shared_memory=self.mode == "disagg" and pool == "prefill" and self.transport == "shm",
         )
 
     def pools(self) -> list[str]:
@@ -160,7 +162,7 @@ class ClusterConfig:
             connector = KVConnectorConfig(KV_CONNECTOR, options)
         return EngineConfig(
             model=self._model_config(),
-            cache=self._cache_config(),
+            cache=self._cache_config(pool),
             scheduler=spec.scheduler_config(EngineRole(pool)),
             parallel=ParallelConfig(tensor_parallel_size=spec.tensor_parallel_size),
             kv_connector=connector,

@@ -49,6 +49,9 @@ class CacheConfig:
     # (per shard); an int > 1: that many bytes per shard.
     kv_cache_memory: float | int = 0.1
     enable_prefix_caching: bool = True
+    # CPU only: allocate the KV cache in memory another process on this host can map, so a
+    # same-host KV transfer reads blocks in place (one copy instead of two).
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

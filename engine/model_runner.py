@@ -14,6 +14,7 @@ from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
 from engine.attention import StepTensors, get_backend
 from engine.distributed.parallel import TensorParallel
+from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from engine.kv_connector import KVConnector, load_connector, model_fingerprint
 from engine.models import check_tp_degree, resolve_architecture
 from engine.models.llama import LlamaForCausalLM, LlamaShape
@@ -84,9 +85,9 @@ class ModelRunner:
             _store_weights_column_major(self.model)
         self.model.eval()
         self.layout = self._plan_kv_cache()
-        self.kv_caches = [
-            torch.zeros(self.layout.layer_shape, dtype=self.dtype, device=self.device) for _ in range(shape.num_layers)
-        ]
+        self.kv_caches, self._kv_region = allocate_kv_caches(
+            self.layout.layer_shape, shape.num_layers, self.dtype, self.device, shared=config.cache.shared_memory
+        )
         self.connector: KVConnector | None = None
         if config.kv_connector.factory:
             fingerprint = model_fingerprint((model_dir / "config.json").read_bytes())
@@ -104,6 +105,8 @@ class ModelRunner:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+        release_kv_caches(self._kv_region)
+        self._kv_region = None
 
     def _plan_kv_cache(self) -> KVCacheLayout:
         cache = self.config.cache

@@ -12,12 +12,14 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch
 
 from common.kv_layout import KVCacheLayout
+from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, plan_block_copy, scatter_plan
 from kv_transfer.protocol import ChunkHeader, ProtocolError, checksum, decode_header, peek_request_id
 from kv_transfer.resharding import plan_transfer, senders_for, shard_heads
 from kv_transfer.state import TransferState, TransferStats
@@ -33,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class _Incoming:
     ticket: KVTicket
-    block_index: torch.Tensor
+    scatter: BlockCopyPlan  # a payload's blocks into the reserved ones
     state: TransferState = TransferState.PENDING
     reason: str | None = None
     sender_tp: int | None = None
@@ -44,6 +46,7 @@ class _Incoming:
     done_from: set[int] = field(default_factory=set)
     first_token_id: int | None = None
     stats: TransferStats | None = None
+    pull_plan: tuple[list[int], BlockCopyPlan] | None = None  # (sender's block ids, their copy plan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +75,10 @@ class KVReceiver:
             raise TicketError(
                 f"ticket {ticket.request_id} names blocks {bad[:4]} outside this cache's {self.layout.num_blocks}"
             )
-        device = self.kv_caches[0].device
         with self._lock:
             self._incoming[ticket.request_id] = _Incoming(
                 ticket=ticket,
-                block_index=torch.tensor(ticket.block_ids[: ticket.num_blocks], dtype=torch.long, device=device),
+                scatter=scatter_plan(list(ticket.block_ids[: ticket.num_blocks])),
                 stats=TransferStats(ticket.request_id, self.backend),
             )
 
@@ -101,8 +103,16 @@ class KVReceiver:
             self._incoming.pop(request_id, None)
 
     # --- the transport's side --------------------------------------------------------------
-    def apply(self, raw_header: bytes, payload: memoryview | bytes) -> None:
-        """Verify one chunk and write it. Raises TransferRefused with the reason; writes nothing then."""
+    def apply(
+        self, raw_header: bytes, payload: memoryview | bytes, regions: Mapping[int, torch.Tensor] | None = None
+    ) -> None:
+        """Verify one chunk and write it. Raises TransferRefused with the reason; writes nothing then
+        (a pulled chunk whose checksum fails has written into its own request's blocks only, and
+        fails that request).
+
+        ``regions``: the sender's memory this transport mapped (region id -> flat uint8 tensor),
+        from which a pulled chunk (``header.pulled``) is read in place instead of from ``payload``.
+        """
         try:
             request_id = peek_request_id(raw_header)
         except ProtocolError as exc:
@@ -133,24 +143,28 @@ class KVReceiver:
                 self._refuse("duplicate", f"chunk {key} already landed")
             if header.num_heads != incoming.segment_heads[(header.sender_rank, header.dst_head_offset)]:
                 self._refuse("shape", f"chunk {key} carries {header.num_heads} heads, not the planned number")
-            target = self._target_view(incoming, header, payload)
-            if header.checksum is not None and checksum(payload) != header.checksum:
-                self._fail(incoming, f"checksum mismatch in layer {header.layer}")
-                self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
-            # The copy stays under the lock: once release() returns, no chunk of that request can
-            # still be writing into blocks the engine is about to reuse.
             heads = slice(header.dst_head_offset, header.dst_head_offset + header.num_heads)
             dst = self.kv_caches[header.layer][:, :, :, heads]
-            if dst.element_size() == 2 and dst.shape[-1] % 2 == 0:
-                # Bits only move: as float32 pairs, index_copy_ runs ~1.8x faster than on bf16/fp16.
-                dst, target = dst.view(torch.float32), target.view(torch.float32)
-            dst.index_copy_(1, incoming.block_index, target)
+            # The copy stays under the lock: once release() returns, no chunk of that request can
+            # still be writing into blocks the engine is about to reuse.
+            if header.pulled:
+                source, plan = self._pulled_source(incoming, header, regions)
+                copy_blocks(dst, source, plan)
+                if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
+                    self._fail(incoming, f"checksum mismatch in layer {header.layer}")
+                    self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+            else:
+                target = self._target_view(incoming, header, payload)
+                if header.checksum is not None and checksum(payload) != header.checksum:
+                    self._fail(incoming, f"checksum mismatch in layer {header.layer}")
+                    self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+                copy_blocks(dst, target, incoming.scatter)
             now = time.monotonic()
             stats = incoming.stats
             assert stats is not None
             if stats.start_time is None:
                 stats.start_time = now
-            stats.num_bytes += len(payload)
+            stats.num_bytes += header.nbytes if header.pulled else len(payload)
             incoming.landed.add(key)
             incoming.layers_landed[header.layer] += 1
             if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
@@ -181,13 +195,52 @@ class KVReceiver:
         layout = self.layout
         dtype = _DTYPES[layout.dtype]
         shape = (2, incoming.ticket.num_blocks, layout.block_size, header.num_heads, layout.head_dim)
-        expected_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        expected_bytes = torch.Size(shape).numel() * dtype.itemsize
         if header.num_blocks != incoming.ticket.num_blocks or len(payload) != expected_bytes:
             self._refuse("shape", f"layer {header.layer}: {len(payload)} bytes, expected {expected_bytes}")
         if header.dst_head_offset + header.num_heads > layout.num_kv_heads:
             self._refuse("shape", f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard")
         raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
         return raw.view(dtype).view(shape).to(self.kv_caches[0].device)
+
+    def _pulled_source(
+        self, incoming: _Incoming, header: ChunkHeader, regions: Mapping[int, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, BlockCopyPlan]:
+        """The sender's blocks of this chunk, viewed in place in its shared region (checked first:
+        an authenticated header still may not make this side read outside that region)."""
+        layout = self.layout
+        region = None if regions is None else regions.get(header.src_region)
+        if region is None:
+            self._refuse("shape", f"layer {header.layer}: the sender's memory region {header.src_region} is unknown")
+        dtype = _DTYPES[layout.dtype]
+        itemsize = dtype.itemsize
+        src_ids = header.src_block_ids or []
+        shape = (2, header.src_num_blocks, layout.block_size, header.src_heads, layout.head_dim)
+        layer_bytes = torch.Size(shape).numel() * itemsize
+        expected_bytes = 2 * incoming.ticket.num_blocks * layout.block_size * header.num_heads * layout.head_dim
+        problems = [
+            (header.num_blocks != incoming.ticket.num_blocks or len(src_ids) != incoming.ticket.num_blocks)
+            and f"{len(src_ids)} source blocks for {incoming.ticket.num_blocks} reserved",
+            header.nbytes != expected_bytes * itemsize
+            and f"{header.nbytes} bytes, expected {expected_bytes * itemsize}",
+            header.dst_head_offset + header.num_heads > layout.num_kv_heads
+            and f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard",
+            (header.src_head_offset < 0 or header.src_head_offset + header.num_heads > header.src_heads)
+            and "source heads out of range",
+            bool(src_ids)
+            and (min(src_ids) < 0 or max(src_ids) >= header.src_num_blocks)
+            and "source block ids out of range",
+            (header.src_offset < 0 or header.src_offset % itemsize or header.src_offset + layer_bytes > len(region))
+            and "source tensor outside the shared region",
+        ]
+        problem = next((p for p in problems if p), None)
+        if problem:
+            self._refuse("shape", f"layer {header.layer}: {problem}")
+        source = region[header.src_offset : header.src_offset + layer_bytes].view(dtype).view(shape)
+        source = source[:, :, :, header.src_head_offset : header.src_head_offset + header.num_heads]
+        if incoming.pull_plan is None or incoming.pull_plan[0] != src_ids:
+            incoming.pull_plan = (src_ids, plan_block_copy(src_ids, list(incoming.ticket.block_ids[: len(src_ids)])))
+        return source, incoming.pull_plan[1]
 
     def _on_done(self, incoming: _Incoming, header: ChunkHeader) -> None:
         incoming.done_from.add(header.sender_rank)
@@ -230,6 +283,12 @@ class KVReceiver:
     def _refuse(self, kind: str, message: str) -> NoReturn:
         self.refusals[kind] += 1
         raise TransferRefused(message)
+
+
+def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:
+    """The bytes a payload of these blocks would have carried (to checksum a pulled chunk)."""
+    blocks = dst.index_select(1, scatter.dst_index).contiguous()
+    return memoryview(blocks.view(torch.uint8).numpy()).cast("B")
 
 
 __all__ = ["KVReceiver", "ReceiveStatus", "shard_heads"]

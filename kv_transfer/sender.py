@@ -16,11 +16,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from common.kv_layout import KVCacheLayout
+from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, gather_plan
 from kv_transfer.protocol import ChunkHeader, checksum, encode_header
 from kv_transfer.resharding import segments_from
 from kv_transfer.state import TransferState, TransferStats
@@ -35,7 +36,8 @@ _MAX_ENQUEUE_WAIT_S = 5.0
 @dataclass
 class _Outgoing:
     ticket: KVTicket
-    src_block_index: torch.Tensor
+    src_block_ids: list[int]
+    gather: BlockCopyPlan
     state: TransferState = TransferState.PENDING
     reason: str | None = None
     stats: TransferStats | None = None
@@ -74,6 +76,7 @@ class KVSender:
         self._outgoing: dict[str, _Outgoing] = {}
         self._channels: dict[str, KVChannel] = {}
         self._scratch: dict[str, torch.Tensor] = {}  # used by the sending thread only
+        self._posting: set[KVChannel] = set()  # channels with posted chunks' verdicts outstanding
         self._current: str | None = None  # the request the sending thread is working on
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"kv-sender-{layout.tp_rank}", daemon=True)
@@ -83,14 +86,15 @@ class KVSender:
     def start(self, ticket: KVTicket, src_block_ids: list[int]) -> None:
         """Begin a transfer; raises TicketError at once if the layouts cannot match."""
         ticket.check_sender(self.layout, self.model_id)
-        index = torch.tensor(src_block_ids[: ticket.num_blocks], dtype=torch.long)
+        block_ids = [int(b) for b in src_block_ids[: ticket.num_blocks]]
         segments = segments_from(
             self.layout.tp_rank, self.layout.tp_size, ticket.layout.tp_size, self.layout.total_kv_heads
         )
         with self._lock:
             self._outgoing[ticket.request_id] = _Outgoing(
                 ticket=ticket,
-                src_block_index=index,
+                src_block_ids=block_ids,
+                gather=gather_plan(block_ids),
                 stats=TransferStats(ticket.request_id, self.transport.name),
                 receivers={seg.receiver_rank for seg in segments},
             )
@@ -161,11 +165,30 @@ class KVSender:
                     self._send_done(out, arg)
             except Exception as exc:  # any transport failure ends this request, never the thread
                 logger.warning("KV transfer of %s failed: %s", request_id, exc)
+                if self._posting:
+                    self._collect(wait=False)  # an earlier refusal is the root cause: it names it first
                 with self._lock:
                     self._fail(out, f"{type(exc).__name__}: {exc}")
             finally:
                 with self._lock:
                     self._current = None
+            if self._posting:
+                self._collect(wait=self._queue.empty())  # idle: settle every outstanding verdict
+
+    def _collect(self, wait: bool) -> None:
+        """Fail the requests whose posted chunks the receiver refused (or never answered)."""
+        with self._lock:
+            deadlines = [o.ticket.lease_deadline for o in self._outgoing.values() if not o.state.is_terminal]
+        timeout = max(0.05, max(deadlines, default=time.time()) - time.time())
+        for channel in list(self._posting):
+            for request_id, error in channel.collect(wait, timeout):
+                logger.warning("KV transfer of %s failed: %s", request_id, error)
+                with self._lock:
+                    out = self._outgoing.get(request_id)
+                    if out is not None:
+                        self._fail(out, f"{type(error).__name__}: {error}")
+            if wait:
+                self._posting.discard(channel)
 
     def _send_layer(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor) -> None:
         ticket = out.ticket
@@ -178,19 +201,50 @@ class KVSender:
                 if out.state.is_terminal:
                     return
                 out.state = TransferState.TRANSFERRING
-        index = out.src_block_index.to(kv_layer.device)
         segments = segments_from(layout.tp_rank, layout.tp_size, ticket.layout.tp_size, layout.total_kv_heads)
-        if len(segments) == 1 and self._send_whole_layer_staged(out, layer, kv_layer, index, segments[0]):
-            return self._layer_sent(out)
-        blocks = self._gather_blocks(kv_layer, index)
+        blocks: torch.Tensor | None = None  # this layer's blocks gathered, once, if some segment needs them
         for seg in segments:
-            payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
-            header = self._layer_header(ticket, layer, seg, payload)
-            self._channel(ticket, seg.receiver_rank).send(
-                encode_header(header, ticket.secret), payload, self._time_left(ticket)
-            )
-            stats.num_bytes += len(payload)
+            channel = self._channel(ticket, seg.receiver_rank)
+            source = channel.pull_source(kv_layer) if kv_layer.device.type == "cpu" else None
+            if source is not None:
+                self._send_pulled(out, layer, kv_layer, seg, channel, source)
+            elif len(segments) == 1 and self._send_whole_layer_staged(out, layer, kv_layer, seg, channel):
+                pass
+            else:
+                if blocks is None:
+                    blocks = self._gather_blocks(kv_layer, out.gather)
+                payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
+                header = self._layer_header(ticket, layer, seg, len(payload), payload)
+                channel.send(encode_header(header, ticket.secret), payload, self._time_left(ticket))
+                stats.num_bytes += len(payload)
         self._layer_sent(out)
+
+    def _send_pulled(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor, seg, channel, source) -> None:
+        """The receiver reads this segment's blocks straight from ``kv_layer``: one copy in all."""
+        ticket = out.ticket
+        region, offset = source
+        nbytes = 2 * len(out.src_block_ids) * kv_layer.shape[2] * seg.num_heads * kv_layer.shape[4]
+        nbytes *= kv_layer.element_size()
+        payload = None
+        if self.with_checksums:  # the checksum covers the bytes as a payload would carry them
+            blocks = self._gather_blocks(kv_layer, out.gather)
+            payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
+        header = replace(
+            self._layer_header(ticket, layer, seg, nbytes, payload),
+            src_region=region,
+            src_offset=offset,
+            src_num_blocks=kv_layer.shape[1],
+            src_heads=kv_layer.shape[3],
+            src_head_offset=seg.src_head_offset,
+            src_block_ids=out.src_block_ids,
+        )
+        encoded = encode_header(header, ticket.secret)
+        if channel.post(encoded, ticket.request_id, self._time_left(ticket)):
+            self._posting.add(channel)  # its verdict comes later, through _collect
+        else:
+            channel.send(encoded, b"", self._time_left(ticket))
+        assert out.stats is not None
+        out.stats.num_bytes += nbytes
 
     @staticmethod
     def _layer_sent(out: _Outgoing) -> None:
@@ -199,36 +253,35 @@ class KVSender:
         if out.stats.first_layer_time is None:
             out.stats.first_layer_time = time.monotonic()
 
-    def _send_whole_layer_staged(
-        self, out: _Outgoing, layer: int, kv_layer: torch.Tensor, index: torch.Tensor, seg
-    ) -> bool:
+    def _send_whole_layer_staged(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor, seg, channel) -> bool:
         """Gather the blocks straight into the transport's staging memory (one copy fewer), when
         the transport offers it and one receiver takes all of this shard's heads."""
         if seg.num_heads != kv_layer.shape[3] or kv_layer.device.type != "cpu":
             return False
         ticket = out.ticket
-        channel = self._channel(ticket, seg.receiver_rank)
-        shape = (2, len(index), *kv_layer.shape[2:])
+        shape = (2, len(out.src_block_ids), *kv_layer.shape[2:])
         nbytes = torch.Size(shape).numel() * kv_layer.element_size()
         staging = channel.staging(nbytes)
         if staging is None:
             return False
-        torch.index_select(kv_layer, 1, index, out=staging.view(kv_layer.dtype).view(shape))
-        header = self._layer_header(ticket, layer, seg, memoryview(staging.numpy()))
+        copy_blocks(staging.view(kv_layer.dtype).view(shape), kv_layer, out.gather)
+        header = self._layer_header(ticket, layer, seg, nbytes, memoryview(staging.numpy()))
         channel.send_staged(encode_header(header, ticket.secret), nbytes, self._time_left(ticket))
         assert out.stats is not None
         out.stats.num_bytes += nbytes
         return True
 
-    def _gather_blocks(self, kv_layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _gather_blocks(self, kv_layer: torch.Tensor, plan: BlockCopyPlan) -> torch.Tensor:
         """The ticket's source blocks of one layer, contiguous, in reused scratch memory.
 
         Reuse matters: a fresh multi-MB tensor per layer costs page faults that run at ~1.5 GB/s
         here, while a gather into memory already touched runs at ~10 GB/s. The scratch is safe to
         reuse because a chunk's send returns only after the receiver has consumed it.
         """
-        full = self._scratch_tensor("blocks", (2, len(index), *kv_layer.shape[2:]), kv_layer.dtype, kv_layer.device)
-        torch.index_select(kv_layer, 1, index, out=full)
+        full = self._scratch_tensor(
+            "blocks", (2, plan.num_blocks, *kv_layer.shape[2:]), kv_layer.dtype, kv_layer.device
+        )
+        copy_blocks(full, kv_layer, plan)
         return full
 
     def _select_heads(self, blocks: torch.Tensor, head_offset: int, num_heads: int) -> torch.Tensor:
@@ -244,13 +297,13 @@ class KVSender:
         numel = 1
         for dim in shape:
             numel *= dim
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < nbytes or buf.device != device:
             buf = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes].view(dtype).view(shape)
 
-    def _layer_header(self, ticket: KVTicket, layer: int, seg, payload: memoryview) -> ChunkHeader:
+    def _layer_header(self, ticket: KVTicket, layer: int, seg, nbytes: int, payload: memoryview | None) -> ChunkHeader:
         return ChunkHeader(
             kind="layer",
             request_id=ticket.request_id,
@@ -261,8 +314,8 @@ class KVSender:
             dst_head_offset=seg.dst_head_offset,
             num_heads=seg.num_heads,
             num_blocks=ticket.num_blocks,
-            nbytes=len(payload),
-            checksum=checksum(payload) if self.with_checksums else None,
+            nbytes=nbytes,
+            checksum=checksum(payload) if self.with_checksums and payload is not None else None,
         )
 
     def _send_done(self, out: _Outgoing, first_token_id: int | None) -> None:
@@ -278,6 +331,8 @@ class KVSender:
                 num_layers_sent=out.layers_sent,
             )
             self._channel(ticket, receiver).send(encode_header(header, ticket.secret), b"", self._time_left(ticket))
+        if self._posting:
+            self._collect(wait=False)  # the sends above settled this request's posted chunks
         with self._lock:
             if not out.state.is_terminal:
                 out.state = TransferState.DONE

@@ -30,6 +30,23 @@ class KVChannel(ABC):
         Raises TransferRefused (the receiver said no), TimeoutError, or ConnectionError.
         """
 
+    def pull_source(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """Optional one-sided path: (region id, byte offset) at which the receiver can read ``tensor``
+        in place, sharing its memory region with the receiver first if needed; None if it cannot.
+        The sender then sends a header naming the blocks and no payload: no copy on this side."""
+        return None
+
+    def post(self, header: bytes, tag: str, timeout_s: float) -> bool:
+        """Optional pipelined path for a pulled chunk (no payload): deliver it without waiting for
+        its verdict, which ``collect`` reports later under ``tag``. False if unsupported (then
+        ``send`` it). May block up to ``timeout_s`` when too many verdicts are outstanding."""
+        return False
+
+    def collect(self, wait: bool, timeout_s: float) -> list[tuple[str, Exception]]:
+        """The failures among posted chunks' verdicts received so far, as (tag, error); with
+        ``wait``, every outstanding verdict first. A broken connection fails every outstanding tag."""
+        return []
+
     def staging(self, nbytes: int) -> torch.Tensor | None:
         """Optional zero-copy path: a writable uint8 CPU tensor in the transport's own memory. A sender
         that fills it and calls ``send_staged`` saves one copy. Valid until the next send; None if absent."""

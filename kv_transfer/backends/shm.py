@@ -1,28 +1,49 @@
-"""Same-host transport: payloads cross through a shared-memory staging buffer, headers through a
-Unix socket. No serialization of tensors: the sender copies a chunk's bytes into its staging
-buffer once, the receiver verifies the header and copies from the mapped buffer straight into
-its KV blocks. The sender never maps the receiver's cache, so an unauthenticated chunk writes
-nothing.
+"""Same-host transport: KV crosses through shared memory, control messages through a Unix socket.
 
-    sender ── copy ──▶ staging shm (owned by the sender's channel) ── copy ──▶ receiver KV blocks
-       └── socket: {header, shm name, nbytes} ───────────────────▶ verdict {ok, reason} ◀──┘
+Memory is shared as anonymous memfd regions (common.shared_memory), passed once per connection
+as a file descriptor (SCM_RIGHTS) and mapped read-only by the receiver: nothing is left in
+/dev/shm if either process dies, and the receiver can read the sender's memory but never write it.
+
+Two paths, chosen per chunk by the sender:
+
+    pull (one copy):   the sender's KV cache lives in a shared region (the engine allocates it
+                       there when its pool sends over shm). The signed header names the blocks;
+                       the receiver verifies it, then copies those blocks straight from the
+                       sender's cache into its reserved blocks.
+        sender ── socket: {signed header: region, offset, block ids} ──▶ receiver ── copy ──▶ KV
+    staged (two copies): any other tensor. The sender gathers the blocks into its staging region;
+                       the receiver verifies the header, then copies from staging into its blocks.
+        sender ── copy ──▶ staging region ── copy ──▶ receiver KV blocks
+           └── socket: {signed header, staging region, nbytes} ──▶
+
+Either way the sender waits for the receiver's verdict {ok, reason} before the next chunk, so the
+source stays untouched while it is read, and an unauthenticated chunk writes nothing.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
+import mmap
 import os
+import select
 import socket
 import struct
 import tempfile
 import threading
-import uuid
-from multiprocessing import resource_tracker, shared_memory
+from collections import deque
 
 import msgpack
 import torch
 
+from common.shared_memory import (
+    SharedRegion,
+    close_shared_region,
+    create_shared_region,
+    find_shared_region,
+    map_shared_region,
+)
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 
@@ -30,62 +51,86 @@ logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused
+_MAX_REGIONS = 64  # regions one connection may map (a cache per shard, a staging buffer)
+_FDS_SPACE = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
+_MAX_POSTED = 64  # pulled chunks in flight per connection before the sender waits for a verdict
 
 
-def _send_msg(sock: socket.socket, obj: dict) -> None:
+def _send_msg(sock: socket.socket, obj: dict, fd: int | None = None) -> None:
     data = msgpack.packb(obj, use_bin_type=True)
-    sock.sendall(_LEN.pack(len(data)) + data)
+    frame = _LEN.pack(len(data)) + data
+    if fd is None:
+        sock.sendall(frame)
+        return
+    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        part = sock.recv(n - got)
-        if not part:
-            raise ConnectionError("peer closed the connection")
-        chunks.append(part)
-        got += len(part)
-    return b"".join(chunks)
+class _Reader:
+    """Reads length-prefixed msgpack messages, collecting any descriptors passed along with them."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fds: list[int] = []
 
-def _recv_msg(sock: socket.socket) -> dict:
-    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if size > _MAX_MESSAGE:
-        raise ConnectionError(f"control message of {size} bytes refused")
-    return msgpack.unpackb(_recv_exact(sock, size), raw=False)
+    def _recv_exact(self, n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            data, ancillary, _flags, _addr = self.sock.recvmsg(n - got, _FDS_SPACE)
+            for level, kind, raw in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
+                    self.fds.extend(fds)
+            if not data:
+                raise ConnectionError("peer closed the connection")
+            chunks.append(data)
+            got += len(data)
+        return b"".join(chunks)
 
+    def message(self) -> dict:
+        (size,) = _LEN.unpack(self._recv_exact(_LEN.size))
+        if size > _MAX_MESSAGE:
+            raise ConnectionError(f"control message of {size} bytes refused")
+        return msgpack.unpackb(self._recv_exact(size), raw=False)
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name)
-    # The sender owns (and unlinks) the segment; stop this process's tracker from unlinking it too.
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+    def take_fd(self) -> int | None:
+        fd = self.fds.pop(0) if self.fds else None
+        self.close_fds()  # at most one descriptor per message; never keep strays
+        return fd
 
-
-def _close_quietly(shm: shared_memory.SharedMemory) -> None:
-    with contextlib.suppress(BufferError):  # a view of the last chunk may still be alive; the mapping goes with it
-        shm.close()
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
 
 
 class _Connection(threading.Thread):
-    """Receiver side of one sender's channel."""
+    """Receiver side of one sender's channel: the sender's regions, mapped read-only."""
 
     def __init__(self, sock: socket.socket, receiver: KVReceiver, idle_timeout_s: float) -> None:
         super().__init__(name="kv-shm-conn", daemon=True)
         self.sock = sock
         self.receiver = receiver
         self.idle_timeout_s = idle_timeout_s
-        self.segments: dict[str, shared_memory.SharedMemory] = {}
+        self.maps: dict[int, mmap.mmap] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
 
     def run(self) -> None:
         self.sock.settimeout(self.idle_timeout_s)
+        reader = _Reader(self.sock)
         try:
             while True:
-                msg = _recv_msg(self.sock)
+                msg = reader.message()
                 verdict = {"ok": True, "reason": ""}
                 try:
-                    payload = self._payload(msg)
-                    self.receiver.apply(msg["header"], payload)
+                    if msg.get("op") == "region":
+                        self._map(msg, reader.take_fd())
+                    else:
+                        reader.close_fds()
+                        self.receiver.apply(msg["header"], self._payload(msg), self.tensors)
                 except TransferRefused as exc:
                     verdict = {"ok": False, "reason": str(exc)}
                 except Exception as exc:  # a malformed message fails this chunk, not the thread
@@ -94,23 +139,47 @@ class _Connection(threading.Thread):
         except (ConnectionError, OSError, ValueError):
             pass  # peer gone or idle: drop the connection
         finally:
+            reader.close_fds()
             self.sock.close()
-            for shm in self.segments.values():
-                _close_quietly(shm)
+            self.tensors.clear()
+            for mapping in self.maps.values():
+                with contextlib.suppress(BufferError):  # a view may still be alive; it goes with it
+                    mapping.close()
+
+    def _map(self, msg: dict, fd: int | None) -> None:
+        if fd is None:
+            raise ValueError("a region message came without its descriptor")
+        try:
+            region_id, nbytes = int(msg["id"]), int(msg["nbytes"])
+            self._forget(msg.get("replaces"))
+            if len(self.maps) >= _MAX_REGIONS:
+                raise ValueError(f"a connection maps at most {_MAX_REGIONS} regions")
+            mapping = map_shared_region(fd, nbytes)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the descriptor is no longer needed
+        self._forget(region_id)
+        self.maps[region_id] = mapping
+        self.tensors[region_id] = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def _forget(self, region_id) -> None:
+        if region_id is None:
+            return
+        self.tensors.pop(int(region_id), None)
+        mapping = self.maps.pop(int(region_id), None)
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
 
     def _payload(self, msg: dict) -> memoryview | bytes:
-        nbytes = int(msg["nbytes"])
+        nbytes = int(msg.get("nbytes", 0))
         if nbytes == 0:
             return b""
-        name = str(msg["shm"])
-        shm = self.segments.get(name)
-        if shm is None:
-            for old in self.segments.values():  # the sender grew its buffer: the old one is gone
-                _close_quietly(old)
-            self.segments = {name: (shm := _attach(name))}
-        if nbytes > shm.size:
-            raise ValueError(f"{nbytes} bytes do not fit the {shm.size}-byte staging buffer")
-        return shm.buf[:nbytes]
+        mapping = self.maps.get(int(msg["region"]))
+        if mapping is None:
+            raise ValueError(f"staging region {msg['region']} was never shared")
+        if nbytes > len(mapping):
+            raise ValueError(f"{nbytes} bytes do not fit the {len(mapping)}-byte staging region")
+        return memoryview(mapping)[:nbytes]
 
 
 class _ShmChannel(KVChannel):
@@ -118,30 +187,120 @@ class _ShmChannel(KVChannel):
         self.path = path
         self.initial_bytes = initial_bytes
         self.sock: socket.socket | None = None
-        self.shm: shared_memory.SharedMemory | None = None
+        self.reader: _Reader | None = None
+        self.staging_region: SharedRegion | None = None
+        self.shared: set[int] = set()  # regions the receiver has mapped on this connection
+        self.replaced_staging: int | None = None  # the receiver may unmap it when the new one arrives
+        self.posted: deque[str] = deque()  # tags of pulled chunks whose verdicts are outstanding, in order
+        self.late_failures: list[tuple[str, Exception]] = []
 
-    def _staging(self, nbytes: int) -> shared_memory.SharedMemory:
-        if self.shm is None or self.shm.size < nbytes:
-            if self.shm is not None:
-                self.shm.close()
-                self.shm.unlink()
-            size = max(self.initial_bytes, nbytes)
-            self.shm = shared_memory.SharedMemory(name=f"pdkv-{uuid.uuid4().hex[:16]}", create=True, size=size)
-        return self.shm
+    # --- pull: the receiver reads the tensor in place ----------------------------------------
+    def pull_source(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        found = find_shared_region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if found is None:
+            return None
+        region, offset = found
+        self._connect(timeout_s=30.0)  # a fresh connection has shared nothing yet
+        if region.region_id not in self.shared:
+            self._share(region, timeout_s=30.0)
+        return region.region_id, offset
 
+    def post(self, header, tag, timeout_s):
+        """Pulled chunks stream without a round trip each: the receiver answers them in order."""
+        if len(self.posted) >= _MAX_POSTED:
+            self._read_posted_verdict(timeout_s)
+        self._connect(timeout_s)
+        try:
+            assert self.sock is not None
+            _send_msg(self.sock, {"op": "chunk", "header": bytes(header), "region": -1, "nbytes": 0})
+        except OSError as exc:
+            self._broken(exc)
+            raise ConnectionError(f"KV receiver at {self.path} went away: {exc}") from exc
+        self.posted.append(tag)
+        return True
+
+    def collect(self, wait, timeout_s):
+        while self.posted and (wait or self._readable()):
+            try:
+                self._read_posted_verdict(timeout_s)
+            except (TimeoutError, ConnectionError):
+                break  # every outstanding tag has been failed by _broken
+        failures, self.late_failures = self.late_failures, []
+        return failures
+
+    def _readable(self) -> bool:
+        return self.sock is not None and bool(select.select([self.sock], [], [], 0)[0])
+
+    def _read_posted_verdict(self, timeout_s: float) -> None:
+        assert self.sock is not None and self.reader is not None
+        self.sock.settimeout(timeout_s)
+        try:
+            verdict = self.reader.message()
+        except TimeoutError as exc:
+            self._broken(exc)
+            raise
+        except (OSError, ValueError) as exc:
+            self._broken(exc)
+            raise ConnectionError(f"KV receiver at {self.path} went away: {exc}") from exc
+        tag = self.posted.popleft()
+        if not verdict["ok"]:
+            self.late_failures.append((tag, TransferRefused(verdict["reason"])))
+
+    def _broken(self, exc: Exception) -> None:
+        """The connection died with verdicts outstanding: each of those chunks failed."""
+        reason = exc if isinstance(exc, TimeoutError) else ConnectionError(f"KV receiver at {self.path}: {exc}")
+        self.late_failures.extend((tag, reason) for tag in self.posted)
+        self.posted.clear()
+        self.close_connection()
+
+    # --- staged: a copy through this channel's own region --------------------------------------
     def staging(self, nbytes: int) -> torch.Tensor | None:
-        return torch.frombuffer(self._staging(nbytes).buf, dtype=torch.uint8, count=nbytes) if nbytes else None
+        if not nbytes:
+            return None
+        region = self.staging_region
+        if region is None or region.nbytes < nbytes:
+            replaced = region
+            region = create_shared_region(max(self.initial_bytes, nbytes), "pdserve-kv-staging")
+            self.staging_region = region
+            if replaced is not None:
+                self.replaced_staging = replaced.region_id if replaced.region_id in self.shared else None
+                self._drop(replaced)
+        return torch.frombuffer(region.buffer, dtype=torch.uint8, count=nbytes)
 
     def send(self, header, payload, timeout_s):
         nbytes = len(payload)
         if nbytes:
-            # torch's copy is multi-threaded; a memoryview slice assignment is one plain memcpy.
             staging = self.staging(nbytes)
             assert staging is not None
             staging.copy_(torch.frombuffer(payload, dtype=torch.uint8, count=nbytes))
         self.send_staged(header, nbytes, timeout_s)
 
     def send_staged(self, header, nbytes, timeout_s):
+        self._connect(timeout_s)  # first: a fresh connection has shared nothing yet
+        region = self.staging_region if nbytes else None
+        if region is not None and region.region_id not in self.shared:
+            self._share(region, timeout_s, replaces=self.replaced_staging)
+            self.replaced_staging = None
+        message = {"op": "chunk", "header": bytes(header), "region": region.region_id if region else -1}
+        self._call({**message, "nbytes": nbytes}, timeout_s)
+
+    # --- the connection -----------------------------------------------------------------------
+    def _share(self, region: SharedRegion, timeout_s: float, replaces: int | None = None) -> None:
+        message = {"op": "region", "id": region.region_id, "nbytes": region.nbytes, "replaces": replaces}
+        self._call(message, timeout_s, fd=region.fd)
+        self.shared.add(region.region_id)
+
+    def _drop(self, region: SharedRegion) -> None:
+        self.shared.discard(region.region_id)
+        close_shared_region(region)
+        with contextlib.suppress(BufferError):
+            region.buffer.close()
+
+    def _connect(self, timeout_s: float) -> None:
+        if self.sock is not None and not self.posted and self._readable():
+            self.close_connection()  # nothing is owed to us, so this is EOF: the receiver closed an idle connection
         if self.sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout_s)
@@ -150,29 +309,41 @@ class _ShmChannel(KVChannel):
             except OSError as exc:
                 sock.close()
                 raise ConnectionError(f"no KV receiver at {self.path}: {exc}") from exc
-            self.sock = sock
-        name = self.shm.name if nbytes and self.shm is not None else ""
+            self.sock, self.reader = sock, _Reader(sock)
+            self.shared.clear()  # a new connection has mapped nothing yet
+
+    def _call(self, message: dict, timeout_s: float, fd: int | None = None) -> None:
+        """One message and its verdict, after the verdicts of chunks posted before it."""
+        while self.posted:
+            self._read_posted_verdict(timeout_s)  # failures wait in late_failures for collect()
+        self._connect(timeout_s)
+        assert self.sock is not None and self.reader is not None
         self.sock.settimeout(timeout_s)
         try:
-            _send_msg(self.sock, {"header": bytes(header), "shm": name, "nbytes": nbytes})
-            verdict = _recv_msg(self.sock)
+            _send_msg(self.sock, message, fd)
+            verdict = self.reader.message()
         except TimeoutError:
-            self.close()
+            self.close_connection()
             raise
         except OSError as exc:
-            self.close()
+            self.close_connection()
             raise ConnectionError(f"KV receiver at {self.path} went away: {exc}") from exc
         if not verdict["ok"]:
             raise TransferRefused(verdict["reason"])
 
-    def close(self) -> None:
+    def close_connection(self) -> None:
+        self.posted.clear()
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        if self.shm is not None:
-            self.shm.close()
-            self.shm.unlink()
-            self.shm = None
+            self.reader = None
+        self.shared.clear()
+
+    def close(self) -> None:
+        self.close_connection()
+        if self.staging_region is not None:
+            self._drop(self.staging_region)
+            self.staging_region = None
 
 
 class SharedMemoryTransport(KVTransport):

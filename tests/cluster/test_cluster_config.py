@@ -195,6 +195,17 @@ def test_engine_config_disagg():
         config.engine_config("colocated")
 
 
+@pytest.mark.parametrize(
+    ("mode", "transport", "shared_pools"),
+    [("disagg", "shm", {"prefill"}), ("disagg", "grpc", set()), ("colocated", "shm", set())],
+)
+def test_only_a_prefill_pool_sending_over_shm_shares_its_cache(mode, transport, shared_pools):
+    # Decode replicas read such a cache in place; nothing else needs its cache in shared memory.
+    config = load_cluster_config(overrides={"mode": mode, "transport": transport})
+    shared = {pool for pool in config.pools() if config.engine_config(pool).cache.shared_memory}
+    assert shared == shared_pools
+
+
 def test_engine_config_colocated():
     config = load_cluster_config(overrides={"mode": "colocated", "colocated.tensor_parallel_size": 4})
     engine = config.engine_config("colocated")

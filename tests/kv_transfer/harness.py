@@ -8,9 +8,25 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.kv_layout import KVCacheLayout
+from engine.kv_cache_memory import allocate_kv_caches
 from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
+from kv_transfer.backends.shm import SharedMemoryTransport
 from kv_transfer.resharding import shard_heads
-from kv_transfer.transport import KVTransport
+from kv_transfer.transport import KVTransport, get_transport
+
+
+class PullShm(SharedMemoryTransport):
+    """The shm backend, in tests whose sender caches live in shared memory: chunks are pulled."""
+
+
+def transport_named(name: str) -> KVTransport:
+    """A backend by name; "shm-pull" is shm with senders' caches in shared memory (see ``pulls``)."""
+    return PullShm() if name == "shm-pull" else get_transport(name)
+
+
+def pulls(transport: KVTransport) -> bool:
+    return isinstance(transport, PullShm)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,8 +53,11 @@ class Side:
     caches: list[list[torch.Tensor]]  # [shard][layer]
 
 
-def make_side(tp: int, *, fill: bool, seed: int = 0, **shape) -> tuple[Side, list[torch.Tensor] | None]:
-    """Shards of one replica. With ``fill``, every shard holds its heads of one random global cache."""
+def make_side(
+    tp: int, *, fill: bool, seed: int = 0, shared: bool = False, **shape
+) -> tuple[Side, list[torch.Tensor] | None]:
+    """Shards of one replica. With ``fill``, every shard holds its heads of one random global cache;
+    with ``shared``, each shard's cache sits in a shared memory region, as a prefill engine's does."""
     layouts = [layout_for(tp, r, **shape) for r in range(tp)]
     base = layouts[0]
     dtype = DTYPES[base.dtype]
@@ -52,10 +71,11 @@ def make_side(tp: int, *, fill: bool, seed: int = 0, **shape) -> tuple[Side, lis
     caches = []
     for layout in layouts:
         heads = shard_heads(layout.tp_rank, tp, base.total_kv_heads)
+        layers, _ = allocate_kv_caches(layout.layer_shape, base.num_layers, dtype, torch.device("cpu"), shared=shared)
         if full is not None:
-            caches.append([layer[:, :, :, heads.start : heads.stop].clone() for layer in full])
-        else:
-            caches.append([torch.zeros(layout.layer_shape, dtype=dtype) for _ in range(base.num_layers)])
+            for layer, whole in zip(layers, full, strict=True):
+                layer.copy_(whole[:, :, :, heads.start : heads.stop])
+        caches.append(layers)
     return Side(layouts, caches), full
 
 
@@ -73,7 +93,7 @@ def transfer(
     **shape,
 ):
     """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side)."""
-    src, full = make_side(sender_tp, fill=True, seed=seed, **shape)
+    src, full = make_side(sender_tp, fill=True, seed=seed, shared=pulls(transport), **shape)
     dst, _ = make_side(receiver_tp, fill=False, **shape)
     receivers = [KVReceiver(dst.caches[r], dst.layouts[r], transport.name) for r in range(receiver_tp)]
     endpoints = [transport.serve(rx) for rx in receivers]
@@ -112,4 +132,15 @@ def assert_bit_exact(full, dst: Side, src_blocks, dst_blocks, num_blocks):
             assert torch.equal(got, expected), f"receiver shard {r} layer {layer} differs"
 
 
-__all__ = ["TransferState", "assert_bit_exact", "layout_for", "make_side", "replace", "transfer", "wait_terminal"]
+__all__ = [
+    "PullShm",
+    "TransferState",
+    "assert_bit_exact",
+    "layout_for",
+    "make_side",
+    "pulls",
+    "replace",
+    "transfer",
+    "transport_named",
+    "wait_terminal",
+]

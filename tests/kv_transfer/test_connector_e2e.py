@@ -24,11 +24,11 @@ pytestmark = pytest.mark.slow
 CONNECTOR = "kv_transfer.connector:TransferConnector"
 
 
-def engine(model_dir, role, tp, backend, receive=False) -> LLMEngine:
+def engine(model_dir, role, tp, backend, receive=False, shared_memory=False) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(model_dir)),
-            cache=CacheConfig(kv_cache_memory=32 * 2**20),
+            cache=CacheConfig(kv_cache_memory=32 * 2**20, shared_memory=shared_memory),
             scheduler=SchedulerConfig(role=role, max_prefill_chunk=24),  # several chunks per prompt
             parallel=ParallelConfig(tensor_parallel_size=tp),
             kv_connector=KVConnectorConfig(CONNECTOR, {"backend": backend, "receive": receive}),
@@ -62,10 +62,13 @@ def drive(prefill: LLMEngine, decode: LLMEngine, max_steps: int = 2000) -> dict:
 
 @pytest.mark.parametrize(
     ("prefill_tp", "decode_tp", "backend"),
-    [(1, 1, "inproc"), (1, 1, "shm"), (3, 1, "shm"), (1, 3, "shm")],
+    # "shm-pull": the prefill engine's cache lives in shared memory, and decode reads it in place.
+    [(1, 1, "inproc"), (1, 1, "shm"), (3, 1, "shm-pull"), (1, 3, "shm-pull")],
 )
 def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backend, smol_dir, hf_smol, hf_reference):
-    prefill = engine(smol_dir, EngineRole.PREFILL, prefill_tp, backend)
+    pull = backend.endswith("-pull")
+    backend = backend.removesuffix("-pull")
+    prefill = engine(smol_dir, EngineRole.PREFILL, prefill_tp, backend, shared_memory=pull)
     decode = engine(smol_dir, EngineRole.DECODE, decode_tp, backend, receive=True)
     try:
         prompts = [prefill.tokenizer.encode(p) for p in PROMPTS[:3]]
@@ -77,6 +80,9 @@ def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backe
             assert output.outputs[0].token_ids == hf_reference(hf_smol, ids, 8)
         assert not prefill.transfer_failures
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        if backend == "shm" and prefill_tp == 1:  # the driver's own sender: which path did it take?
+            channels = prefill.executor.driver.connector.sender._channels.values()
+            assert channels and all((ch.staging_region is None) == pull for ch in channels)
         prefill.check_integrity()
         decode.check_integrity()
     finally:

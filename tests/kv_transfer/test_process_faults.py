@@ -24,8 +24,8 @@ def _receiver_process(backend: str, out: mp.Queue, tickets: mp.Queue) -> None:
     time.sleep(60)  # killed by the test long before
 
 
-def _sender_process(backend: str, ticket: dict, done_layers: mp.Queue) -> None:
-    src, _ = make_side(1, fill=True)
+def _sender_process(backend: str, ticket: dict, done_layers: mp.Queue, shared: bool) -> None:
+    src, _ = make_side(1, fill=True, shared=shared)
     sender = KVSender(src.layouts[0], "m", get_transport(backend))
     parsed = KVTicket.from_dict(ticket)
     sender.start(parsed, [1, 2, 3, 4])
@@ -37,7 +37,8 @@ def _sender_process(backend: str, ticket: dict, done_layers: mp.Queue) -> None:
 
 
 @pytest.mark.slow
-def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease():
+@pytest.mark.parametrize("shared", [False, True], ids=["staged", "pulled"])
+def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease(shared):
     ctx = mp.get_context("spawn")
     endpoints, tickets = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_receiver_process, args=(BACKEND, endpoints, tickets), daemon=True)
@@ -48,7 +49,7 @@ def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease():
         ticket = make_ticket("req-1", BACKEND, [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s=20)
         tickets.put(ticket.to_dict())
         time.sleep(0.5)  # the receiver registers the ticket
-        src, _ = make_side(1, fill=True)
+        src, _ = make_side(1, fill=True, shared=shared)
         transport = get_transport(BACKEND)
         sender = KVSender(src.layouts[0], "m", transport)
         sender.start(ticket, [1, 2, 3, 4])
@@ -73,7 +74,8 @@ def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease():
 
 
 @pytest.mark.slow
-def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry():
+@pytest.mark.parametrize("shared", [False, True], ids=["staged", "pulled"])
+def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry(shared):
     dst, _ = make_side(1, fill=False)
     receiver = KVReceiver(dst.caches[0], dst.layouts[0], BACKEND)
     transport = get_transport(BACKEND)
@@ -82,7 +84,7 @@ def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry():
     receiver.expect(ticket)
     ctx = mp.get_context("spawn")
     progress = ctx.Queue()
-    proc = ctx.Process(target=_sender_process, args=(BACKEND, ticket.to_dict(), progress), daemon=True)
+    proc = ctx.Process(target=_sender_process, args=(BACKEND, ticket.to_dict(), progress, shared), daemon=True)
     proc.start()
     try:
         progress.get(timeout=60)

@@ -10,16 +10,25 @@ import torch
 
 from kv_transfer import KVReceiver, KVSender, TicketError, TransferState, make_ticket
 from kv_transfer.protocol import ChunkHeader, encode_header
-from kv_transfer.transport import TransferRefused, available_backends, get_transport
-from tests.kv_transfer.harness import assert_bit_exact, layout_for, make_side, transfer, wait_terminal
+from kv_transfer.transport import TransferRefused, available_backends
+from tests.kv_transfer.harness import (
+    assert_bit_exact,
+    layout_for,
+    make_side,
+    pulls,
+    transfer,
+    transport_named,
+    wait_terminal,
+)
 
-# Every backend registered in kv_transfer.transport runs every test here.
-BACKENDS = available_backends()
+# Every backend registered in kv_transfer.transport runs every test here, and shm twice: with the
+# senders' caches in private memory (staged copies) and in shared memory (the receiver pulls).
+BACKENDS = [*available_backends(), "shm-pull"]
 
 
 @pytest.fixture(params=BACKENDS)
 def transport(request):
-    t = get_transport(request.param)
+    t = transport_named(request.param)
     yield t
     t.shutdown()
 
@@ -56,7 +65,7 @@ def test_smollm2_layout_bit_exact(transport):
 
 
 def test_layers_arrive_before_later_layers_are_produced(transport):
-    src, _ = make_side(1, fill=True)
+    src, _ = make_side(1, fill=True, shared=pulls(transport))
     dst, _ = make_side(1, fill=False)
     receiver = KVReceiver(dst.caches[0], dst.layouts[0])
     ticket = make_ticket(
@@ -121,7 +130,7 @@ def test_wrong_secret_is_refused_and_writes_nothing(transport):
 
 def test_expired_lease_fails_both_sides_and_writes_nothing(transport):
     receiver, ticket, dst = _one_receiver(transport, lease_s=0.3)
-    src, _ = make_side(1, fill=True)
+    src, _ = make_side(1, fill=True, shared=pulls(transport))
     time.sleep(0.35)
     sender = KVSender(src.layouts[0], "m", transport)
     sender.start(ticket, [1, 2, 3, 4])
@@ -158,7 +167,7 @@ def test_mismatched_layout_is_refused_at_ticket_time(transport):
 
 
 def test_many_concurrent_transfers(transport):
-    src, full = make_side(2, fill=True, num_blocks=64)
+    src, full = make_side(2, fill=True, num_blocks=64, shared=pulls(transport))
     dst, _ = make_side(1, fill=False, num_blocks=64)
     receiver = KVReceiver(dst.caches[0], dst.layouts[0])
     endpoint = transport.serve(receiver)

@@ -1,0 +1,30 @@
+"""Where a shard's KV cache lives: private memory, or one shared region another process can map.
+
+A shared cache lets a same-host transport (kv_transfer's shm backend) read a request's blocks in
+place, so a prefill-to-decode hand-off copies each byte once instead of twice. Only CPU caches can
+be shared this way; a CUDA cache is always allocated by torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.shared_memory import SharedRegion, close_shared_region, create_shared_region
+
+
+def allocate_kv_caches(
+    layer_shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device: torch.device, *, shared: bool = False
+) -> tuple[list[torch.Tensor], SharedRegion | None]:
+    """One zeroed tensor per layer; with ``shared`` (CPU only), all of them in one shared region."""
+    if not shared or device.type != "cpu":
+        return [torch.zeros(layer_shape, dtype=dtype, device=device) for _ in range(num_layers)], None
+    layer_bytes = torch.Size(layer_shape).numel() * torch.empty((), dtype=dtype).element_size()
+    region = create_shared_region(max(1, layer_bytes * num_layers))
+    flat = torch.frombuffer(region.buffer, dtype=torch.uint8)  # a fresh memfd reads as zeros
+    layers = [flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).view(layer_shape) for i in range(num_layers)]
+    return layers, region
+
+
+def release_kv_caches(region: SharedRegion | None) -> None:
+    if region is not None:
+        close_shared_region(region)

@@ -1,0 +1,247 @@
+"""The shared-memory backend's one-copy path: a receiver reads a sender's cache in place, and only
+what an authenticated header names, inside the region the sender shared."""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+import pytest
+import torch
+
+from common.shared_memory import close_shared_region, create_shared_region, find_shared_region, map_shared_region
+from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
+from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
+from kv_transfer.protocol import ChunkHeader, encode_header
+from kv_transfer.transport import TransferRefused
+from tests.kv_transfer.harness import PullShm, assert_bit_exact, make_side, transfer, wait_terminal
+
+
+@pytest.fixture
+def transport():
+    t = PullShm()
+    yield t
+    t.shutdown()
+
+
+def _shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_a_shared_source_is_pulled_without_staging_and_leaves_nothing_behind(transport):
+    before = _shm_files()
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 2, 1, total_kv_heads=2, num_tokens=30)
+    states = wait_terminal([lambda: receivers[0].poll("req-1")] + [lambda s=s: s.poll("req-1") for s in senders])
+    assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    for sender in senders:
+        channels = list(sender._channels.values())
+        assert channels and all(ch.staging_region is None for ch in channels)  # no staging copy was made
+        sender.close()
+    assert _shm_files() <= before  # memfd regions have no name in /dev/shm
+
+
+def test_shared_kv_caches_are_zeroed_views_of_one_region():
+    layers, region = allocate_kv_caches((2, 4, 4, 2, 8), 3, torch.bfloat16, torch.device("cpu"), shared=True)
+    try:
+        assert region is not None and all(torch.count_nonzero(layer) == 0 for layer in layers)
+        layer_bytes = layers[0].numel() * layers[0].element_size()
+        for i, layer in enumerate(layers):
+            found = find_shared_region(layer.data_ptr(), layer_bytes)
+            assert found is not None and found[0] is region and found[1] == i * layer_bytes
+        assert find_shared_region(layers[-1].data_ptr() + 2, layer_bytes) is None  # runs past the end
+    finally:
+        release_kv_caches(region)
+    assert find_shared_region(layers[0].data_ptr(), 1) is None
+
+
+def test_a_peer_maps_the_region_read_only():
+    region = create_shared_region(4096)
+    try:
+        region.buffer[:4] = b"kv!!"
+        peer = map_shared_region(os.dup(region.fd), 4096)
+        assert peer[:4] == b"kv!!"
+        with pytest.raises(TypeError):
+            peer[:4] = b"nope"
+        with pytest.raises(ValueError, match="holds 4096 bytes"):
+            map_shared_region(os.dup(region.fd), 8192)
+    finally:
+        close_shared_region(region)
+
+
+@pytest.fixture
+def pulled_chunk(transport):
+    """A receiver expecting one request, a channel that has shared a source cache with it, and a
+    function building a signed layer-0 header that points into that cache."""
+    src, _ = make_side(1, fill=True, shared=True)
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "shm")
+    ticket = make_ticket("req-1", "shm", [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30)
+    receiver.expect(ticket)
+    channel = transport.connect(ticket.receiver_endpoints[0])
+    region, offset = channel.pull_source(src.caches[0][0])
+    layer = src.caches[0][0]
+
+    def header(secret: bytes = ticket.secret, **changes) -> bytes:
+        fields = dict(
+            kind="layer",
+            request_id="req-1",
+            sender_rank=0,
+            sender_tp=1,
+            receiver_rank=0,
+            layer=0,
+            num_heads=2,
+            num_blocks=4,
+            nbytes=2 * 4 * 4 * 2 * 8 * 4,
+            src_region=region,
+            src_offset=offset,
+            src_num_blocks=layer.shape[1],
+            src_heads=2,
+            src_block_ids=[7, 8, 9, 10],
+        )
+        return encode_header(ChunkHeader(**{**fields, **changes}), secret)
+
+    yield receiver, channel, header, src, dst
+    channel.close()
+
+
+def test_a_pulled_chunk_lands_exactly(pulled_chunk):
+    receiver, channel, header, src, dst = pulled_chunk
+    channel.send(header(), b"", 5)
+    assert torch.equal(dst.caches[0][0][:, [1, 2, 3, 4]], src.caches[0][0][:, [7, 8, 9, 10]])
+    assert receiver.poll("req-1").state is TransferState.TRANSFERRING
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(src_offset=1 << 40), "outside the shared region"),
+        (dict(src_offset=-64), "outside the shared region"),
+        (dict(src_region=999), "region 999 is unknown"),
+        (dict(src_block_ids=[7, 8, 9, 10_000]), "source block ids out of range"),
+        (dict(src_block_ids=[7, 8, 9]), "3 source blocks for 4"),
+        (dict(src_heads=1), "source heads out of range"),
+        (dict(nbytes=64), "expected"),
+    ],
+)
+def test_a_pulled_chunk_outside_its_bounds_is_refused_and_reads_nothing(pulled_chunk, changes, match):
+    receiver, channel, header, _, dst = pulled_chunk
+    with pytest.raises(TransferRefused, match=match):
+        channel.send(header(**changes), b"", 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert receiver.poll("req-1").state is TransferState.PENDING
+
+
+def test_a_pulled_chunk_without_the_secret_is_refused(pulled_chunk):
+    receiver, channel, header, _, dst = pulled_chunk
+    with pytest.raises(TransferRefused, match="signature"):
+        channel.send(header(secret=b"x" * 32), b"", 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert receiver.refusals["bad_signature"] == 1
+
+
+def test_a_pulled_chunk_with_a_wrong_checksum_fails_the_request(pulled_chunk):
+    receiver, channel, header, src, _ = pulled_chunk
+    good = zlib.crc32(src.caches[0][0][:, [7, 8, 9, 10]].contiguous().numpy().tobytes())
+    with pytest.raises(TransferRefused, match="checksum"):
+        channel.send(header(checksum=good ^ 1), b"", 5)
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and "checksum" in status.reason
+    assert receiver.refusals["checksum"] == 1
+
+
+def test_a_pulled_chunk_with_the_right_checksum_lands(pulled_chunk):
+    _, channel, header, src, dst = pulled_chunk
+    good = zlib.crc32(src.caches[0][0][:, [7, 8, 9, 10]].contiguous().numpy().tobytes())
+    channel.send(header(checksum=good), b"", 5)
+    assert torch.equal(dst.caches[0][0][:, [1, 2, 3, 4]], src.caches[0][0][:, [7, 8, 9, 10]])
+
+
+def test_sender_checksums_cover_pulled_chunks(transport):
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, with_checksums=True)
+    (status,) = wait_terminal([lambda: receivers[0].poll("req-1")])
+    assert status.state is TransferState.DONE
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert receivers[0].refusals["checksum"] == 0
+    senders[0].close()
+
+
+def test_a_private_tensor_is_not_pulled(transport):
+    channel = transport.connect("shm:///nonexistent/recv.sock")
+    assert channel.pull_source(torch.zeros(2, 4, 4, 2, 8)) is None  # no region: staged, nothing sent
+    shared, region = allocate_kv_caches((2, 4, 4, 2, 8), 1, torch.float32, torch.device("cpu"), shared=True)
+    try:
+        assert channel.pull_source(shared[0][:, 1:3]) is None  # not contiguous: staged
+    finally:
+        release_kv_caches(region)
+
+
+def test_sender_and_receiver_agree_on_a_sender_without_regions(transport):
+    # A KVSender whose cache is private still works over the same transport (staged copies).
+    src, full = make_side(1, fill=True)
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "shm")
+    ticket = make_ticket("req-1", "shm", [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30)
+    receiver.expect(ticket)
+    sender = KVSender(src.layouts[0], "m", transport)
+    sender.start(ticket, [7, 8, 9, 10])
+    for layer, kv in enumerate(src.caches[0]):
+        sender.send_layer("req-1", layer, kv)
+    sender.finish("req-1", 3)
+    assert wait_terminal([lambda: receiver.poll("req-1")])[0].state is TransferState.DONE
+    assert all(ch.staging_region is not None for ch in sender._channels.values())
+    assert_bit_exact(full, dst, [7, 8, 9, 10], ticket.block_ids, 4)
+    sender.close()
+
+
+def test_a_late_refusal_of_a_pulled_chunk_fails_its_own_request_only(transport):
+    # Pulled chunks are posted without waiting; their verdicts come back later, in order. A refusal
+    # must fail the request it belongs to, not whichever request the sender is busy with by then.
+    src, full = make_side(1, fill=True, shared=True)
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "shm")
+    endpoint = transport.serve(receiver)
+    known = make_ticket("known", "shm", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30)
+    stranger = make_ticket("stranger", "shm", [endpoint], dst.layouts[0], "m", [5, 6, 7, 8], 13, 30)
+    receiver.expect(known)  # "stranger" was never registered: its chunks are refused
+    sender = KVSender(src.layouts[0], "m", transport)
+    for ticket, blocks in ((stranger, [7, 8, 9, 10]), (known, [11, 12, 13, 14])):
+        sender.start(ticket, blocks)
+    for layer, kv in enumerate(src.caches[0]):
+        for ticket in (stranger, known):
+            sender.send_layer(ticket.request_id, layer, kv)
+    for ticket in (stranger, known):
+        sender.finish(ticket.request_id, 0)
+    bad, good = wait_terminal([lambda: sender.poll("stranger"), lambda: sender.poll("known")])
+    assert bad.state is TransferState.FAILED and "no ticket" in bad.reason
+    assert good.state is TransferState.DONE, good.reason
+    assert wait_terminal([lambda: receiver.poll("known")])[0].state is TransferState.DONE
+    assert_bit_exact(full, dst, [11, 12, 13, 14], known.block_ids, 4)
+    assert torch.count_nonzero(torch.stack([layer[:, [5, 6, 7, 8]] for layer in dst.caches[0]])) == 0
+    sender.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["staged", "pulled"])
+def test_a_connection_the_receiver_closed_while_idle_is_reopened(shared):
+    transport = PullShm(idle_timeout_s=0.3)
+    src, full = make_side(1, fill=True, shared=shared)
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "shm")
+    endpoint = transport.serve(receiver)
+    sender = KVSender(src.layouts[0], "m", transport)
+    try:
+        for i, blocks in enumerate(([1, 2, 3, 4], [5, 6, 7, 8])):
+            ticket = make_ticket(f"r{i}", "shm", [endpoint], dst.layouts[0], "m", blocks, 13, 30)
+            receiver.expect(ticket)
+            sender.start(ticket, [7, 8, 9, 10])
+            for layer, kv in enumerate(src.caches[0]):
+                sender.send_layer(ticket.request_id, layer, kv)
+            sender.finish(ticket.request_id, 0)
+            status = wait_terminal([lambda t=ticket: sender.poll(t.request_id)])[0]
+            assert status.state is TransferState.DONE, status.reason
+            assert_bit_exact(full, dst, [7, 8, 9, 10], blocks, 4)
+            time.sleep(0.6)  # the receiver drops the idle connection
+    finally:
+        sender.close()
+        transport.shutdown()
