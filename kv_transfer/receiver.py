@@ -13,7 +13,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import torch
@@ -46,7 +46,8 @@ class _Incoming:
     done_from: set[int] = field(default_factory=set)
     first_token_id: int | None = None
     stats: TransferStats | None = None
-    pull_plan: tuple[list[int], BlockCopyPlan] | None = None  # (sender's block ids, their copy plan)
+    # (checked header fields, sender's block ids, their copy plan): what pulled layers share
+    pull_plan: tuple[tuple[int, ...], list[int], BlockCopyPlan] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,44 +137,73 @@ class KVReceiver:
             if header.kind == "done":
                 self._on_done(incoming, header)
                 return
-            key = (header.sender_rank, header.layer, header.dst_head_offset)
-            if key not in incoming.expected:
-                self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
-            if key in incoming.landed:
-                self._refuse("duplicate", f"chunk {key} already landed")
-            if header.num_heads != incoming.segment_heads[(header.sender_rank, header.dst_head_offset)]:
-                self._refuse("shape", f"chunk {key} carries {header.num_heads} heads, not the planned number")
-            heads = slice(header.dst_head_offset, header.dst_head_offset + header.num_heads)
-            dst = self.kv_caches[header.layer][:, :, :, heads]
-            # The copy stays under the lock: once release() returns, no chunk of that request can
-            # still be writing into blocks the engine is about to reuse.
-            if header.pulled:
-                source, plan = self._pulled_source(incoming, header, regions)
-                copy_blocks(dst, source, plan)
-                if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
-                    self._fail(incoming, f"checksum mismatch in layer {header.layer}")
-                    self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
-            else:
-                target = self._target_view(incoming, header, payload)
-                if header.checksum is not None and checksum(payload) != header.checksum:
-                    self._fail(incoming, f"checksum mismatch in layer {header.layer}")
-                    self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
-                copy_blocks(dst, target, incoming.scatter)
-            now = time.monotonic()
-            stats = incoming.stats
-            assert stats is not None
-            if stats.start_time is None:
-                stats.start_time = now
-            stats.num_bytes += header.nbytes if header.pulled else len(payload)
-            incoming.landed.add(key)
-            incoming.layers_landed[header.layer] += 1
-            if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
-                stats.first_layer_time = now
-            if incoming.state is TransferState.PENDING:
-                incoming.state = TransferState.TRANSFERRING
-            self._maybe_done(incoming)
+            for layer_header in self._layers_of(header):
+                self._apply_layer(incoming, layer_header, payload, regions)
 
     # --- helpers (hold the lock) -----------------------------------------------------------
+    def _layers_of(self, header: ChunkHeader) -> list[ChunkHeader]:
+        """A chunk's layers, one header each: the chunk itself, or each entry of a pulled batch."""
+        if header.batch is None:
+            return [header]
+        batch = header.batch
+        if not header.pulled or not isinstance(batch, list) or not 0 < len(batch) <= self.layout.num_layers:
+            self._refuse("malformed", f"a batch of {len(batch) if isinstance(batch, list) else '?'} layers")
+        entries = []
+        for entry in batch:
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 4
+                and all(isinstance(v, int) for v in entry[:3])
+                and (entry[3] is None or isinstance(entry[3], int))
+            ):
+                self._refuse("malformed", f"batch entry {entry!r} is not [layer, region, offset, checksum]")
+            layer, region, offset, crc = entry
+            entries.append(replace(header, layer=layer, src_region=region, src_offset=offset, checksum=crc, batch=None))
+        return entries
+
+    def _apply_layer(
+        self, incoming: _Incoming, header: ChunkHeader, payload, regions: Mapping[int, torch.Tensor] | None
+    ) -> None:
+        request_id = incoming.ticket.request_id
+        if not 0 <= header.layer < self.layout.num_layers:
+            self._refuse("unplanned", f"{request_id}: no layer {header.layer} here")
+        key = (header.sender_rank, header.layer, header.dst_head_offset)
+        if key not in incoming.expected:
+            self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
+        if key in incoming.landed:
+            self._refuse("duplicate", f"chunk {key} already landed")
+        if header.num_heads != incoming.segment_heads[(header.sender_rank, header.dst_head_offset)]:
+            self._refuse("shape", f"chunk {key} carries {header.num_heads} heads, not the planned number")
+        heads = slice(header.dst_head_offset, header.dst_head_offset + header.num_heads)
+        dst = self.kv_caches[header.layer][:, :, :, heads]
+        # The copy stays under the lock: once release() returns, no chunk of that request can
+        # still be writing into blocks the engine is about to reuse.
+        if header.pulled:
+            source, plan = self._pulled_source(incoming, header, regions)
+            copy_blocks(dst, source, plan)
+            if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
+                self._fail(incoming, f"checksum mismatch in layer {header.layer}")
+                self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+        else:
+            target = self._target_view(incoming, header, payload)
+            if header.checksum is not None and checksum(payload) != header.checksum:
+                self._fail(incoming, f"checksum mismatch in layer {header.layer}")
+                self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+            copy_blocks(dst, target, incoming.scatter)
+        now = time.monotonic()
+        stats = incoming.stats
+        assert stats is not None
+        if stats.start_time is None:
+            stats.start_time = now
+        stats.num_bytes += header.nbytes if header.pulled else len(payload)
+        incoming.landed.add(key)
+        incoming.layers_landed[header.layer] += 1
+        if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
+            stats.first_layer_time = now
+        if incoming.state is TransferState.PENDING:
+            incoming.state = TransferState.TRANSFERRING
+        self._maybe_done(incoming)
+
     def _learn_senders(self, incoming: _Incoming, header: ChunkHeader) -> None:
         if incoming.sender_tp is None:
             incoming.sender_tp = header.sender_tp
@@ -217,30 +247,34 @@ class KVReceiver:
         src_ids = header.src_block_ids or []
         shape = (2, header.src_num_blocks, layout.block_size, header.src_heads, layout.head_dim)
         layer_bytes = torch.Size(shape).numel() * itemsize
-        expected_bytes = 2 * incoming.ticket.num_blocks * layout.block_size * header.num_heads * layout.head_dim
-        problems = [
-            (header.num_blocks != incoming.ticket.num_blocks or len(src_ids) != incoming.ticket.num_blocks)
-            and f"{len(src_ids)} source blocks for {incoming.ticket.num_blocks} reserved",
-            header.nbytes != expected_bytes * itemsize
-            and f"{header.nbytes} bytes, expected {expected_bytes * itemsize}",
-            header.dst_head_offset + header.num_heads > layout.num_kv_heads
-            and f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard",
-            (header.src_head_offset < 0 or header.src_head_offset + header.num_heads > header.src_heads)
-            and "source heads out of range",
-            bool(src_ids)
-            and (min(src_ids) < 0 or max(src_ids) >= header.src_num_blocks)
-            and "source block ids out of range",
-            (header.src_offset < 0 or header.src_offset % itemsize or header.src_offset + layer_bytes > len(region))
-            and "source tensor outside the shared region",
-        ]
-        problem = next((p for p in problems if p), None)
-        if problem:
-            self._refuse("shape", f"layer {header.layer}: {problem}")
+        # Every layer of a transfer names the same blocks and heads: check those once per request.
+        key = (header.src_num_blocks, header.src_heads, header.src_head_offset, header.num_heads, header.nbytes)
+        cached = incoming.pull_plan
+        if cached is None or cached[0] != key or cached[1] != src_ids:
+            expected_bytes = 2 * incoming.ticket.num_blocks * layout.block_size * header.num_heads * layout.head_dim
+            problems = [
+                (header.num_blocks != incoming.ticket.num_blocks or len(src_ids) != incoming.ticket.num_blocks)
+                and f"{len(src_ids)} source blocks for {incoming.ticket.num_blocks} reserved",
+                header.nbytes != expected_bytes * itemsize
+                and f"{header.nbytes} bytes, expected {expected_bytes * itemsize}",
+                header.dst_head_offset + header.num_heads > layout.num_kv_heads
+                and f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard",
+                (header.src_head_offset < 0 or header.src_head_offset + header.num_heads > header.src_heads)
+                and "source heads out of range",
+                bool(src_ids)
+                and (min(src_ids) < 0 or max(src_ids) >= header.src_num_blocks)
+                and "source block ids out of range",
+            ]
+            problem = next((p for p in problems if p), None)
+            if problem:
+                self._refuse("shape", f"layer {header.layer}: {problem}")
+            plan = plan_block_copy(src_ids, list(incoming.ticket.block_ids[: len(src_ids)]))
+            cached = incoming.pull_plan = (key, src_ids, plan)
+        if header.src_offset < 0 or header.src_offset % itemsize or header.src_offset + layer_bytes > len(region):
+            self._refuse("shape", f"layer {header.layer}: source tensor outside the shared region")
         source = region[header.src_offset : header.src_offset + layer_bytes].view(dtype).view(shape)
         source = source[:, :, :, header.src_head_offset : header.src_head_offset + header.num_heads]
-        if incoming.pull_plan is None or incoming.pull_plan[0] != src_ids:
-            incoming.pull_plan = (src_ids, plan_block_copy(src_ids, list(incoming.ticket.block_ids[: len(src_ids)])))
-        return source, incoming.pull_plan[1]
+        return source, cached[2]
 
     def _on_done(self, incoming: _Incoming, header: ChunkHeader) -> None:
         incoming.done_from.add(header.sender_rank)

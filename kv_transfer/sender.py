@@ -31,6 +31,8 @@ from kv_transfer.transport import KVChannel, KVTransport
 logger = logging.getLogger(__name__)
 
 _MAX_ENQUEUE_WAIT_S = 5.0
+_MAX_LAYERS_PER_CHUNK = 64  # layers one pulled chunk may name
+_NOTHING = object()
 
 
 @dataclass
@@ -148,11 +150,25 @@ class KVSender:
                 self._fail(out, f"send queue still full after {timeout:.1f} s")
 
     def _run(self) -> None:
+        held = _NOTHING  # an item taken off the queue while gathering a batch, handled next
         while not self._stopping:
-            item = self._queue.get()
+            item = self._queue.get() if held is _NOTHING else held
+            held = _NOTHING
             if item is None:
                 return
             kind, request_id, arg, kv_layer = item
+            layers = [(arg, kv_layer)]
+            while kind == "layer" and len(layers) < _MAX_LAYERS_PER_CHUNK:
+                # Layers of this request already waiting (the sender fell behind the forward pass)
+                # leave together: one message, one verdict and one signature instead of one each.
+                try:
+                    held = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if held is None or held[0] != "layer" or held[1] != request_id:
+                    break
+                layers.append((held[2], held[3]))
+                held = _NOTHING
             with self._lock:
                 out = self._outgoing.get(request_id)
                 if out is None or out.state.is_terminal:
@@ -160,7 +176,7 @@ class KVSender:
                 self._current = request_id
             try:
                 if kind == "layer":
-                    self._send_layer(out, arg, kv_layer)
+                    self._send_layers(out, layers)
                 else:
                     self._send_done(out, arg)
             except Exception as exc:  # any transport failure ends this request, never the thread
@@ -173,7 +189,8 @@ class KVSender:
                 with self._lock:
                     self._current = None
             if self._posting:
-                self._collect(wait=self._queue.empty())  # idle: settle every outstanding verdict
+                # Idle (nothing queued, nothing held back): settle every outstanding verdict.
+                self._collect(wait=held is _NOTHING and self._queue.empty())
 
     def _collect(self, wait: bool) -> None:
         """Fail the requests whose posted chunks the receiver refused (or never answered)."""
@@ -190,7 +207,7 @@ class KVSender:
             if wait:
                 self._posting.discard(channel)
 
-    def _send_layer(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor) -> None:
+    def _send_layers(self, out: _Outgoing, layers: list[tuple[int, torch.Tensor]]) -> None:
         ticket = out.ticket
         layout = self.layout
         stats = out.stats
@@ -202,41 +219,54 @@ class KVSender:
                     return
                 out.state = TransferState.TRANSFERRING
         segments = segments_from(layout.tp_rank, layout.tp_size, ticket.layout.tp_size, layout.total_kv_heads)
-        blocks: torch.Tensor | None = None  # this layer's blocks gathered, once, if some segment needs them
+        copied = []
         for seg in segments:
             channel = self._channel(ticket, seg.receiver_rank)
-            source = channel.pull_source(kv_layer) if kv_layer.device.type == "cpu" else None
-            if source is not None:
-                self._send_pulled(out, layer, kv_layer, seg, channel, source)
-            elif len(segments) == 1 and self._send_whole_layer_staged(out, layer, kv_layer, seg, channel):
-                pass
+            sources = [channel.pull_source(kv) if kv.device.type == "cpu" else None for _, kv in layers]
+            if all(source is not None for source in sources):
+                self._send_pulled(out, layers, seg, channel, sources)
             else:
+                copied.append((seg, channel))
+        for layer, kv_layer in layers:
+            blocks: torch.Tensor | None = None  # this layer's blocks gathered, once, if some segment needs them
+            for seg, channel in copied:
+                if len(segments) == 1 and self._send_whole_layer_staged(out, layer, kv_layer, seg, channel):
+                    continue
                 if blocks is None:
                     blocks = self._gather_blocks(kv_layer, out.gather)
                 payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
                 header = self._layer_header(ticket, layer, seg, len(payload), payload)
                 channel.send(encode_header(header, ticket.secret), payload, self._time_left(ticket))
                 stats.num_bytes += len(payload)
-        self._layer_sent(out)
+            self._layer_sent(out)
 
-    def _send_pulled(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor, seg, channel, source) -> None:
-        """The receiver reads this segment's blocks straight from ``kv_layer``: one copy in all."""
+    def _send_pulled(self, out: _Outgoing, layers, seg, channel, sources) -> None:
+        """The receiver reads this segment's blocks of ``layers`` straight from the sender's cache:
+        one copy in all, and one message for all the layers."""
         ticket = out.ticket
-        region, offset = source
+        kv_layer = layers[0][1]
         nbytes = 2 * len(out.src_block_ids) * kv_layer.shape[2] * seg.num_heads * kv_layer.shape[4]
         nbytes *= kv_layer.element_size()
-        payload = None
-        if self.with_checksums:  # the checksum covers the bytes as a payload would carry them
-            blocks = self._gather_blocks(kv_layer, out.gather)
-            payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
+        entries = []
+        for (layer, kv), (region, offset) in zip(layers, sources, strict=True):
+            crc = None
+            if self.with_checksums:  # the checksum covers the bytes as a payload would carry them
+                blocks = self._gather_blocks(kv, out.gather)
+                crc = checksum(_payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads)))
+            entries.append((layer, region, offset, crc))
+        first_layer, region, offset, crc = entries[0]
         header = replace(
-            self._layer_header(ticket, layer, seg, nbytes, payload),
+            self._layer_header(ticket, first_layer, seg, nbytes, None),
+            checksum=crc,
             src_region=region,
             src_offset=offset,
             src_num_blocks=kv_layer.shape[1],
             src_heads=kv_layer.shape[3],
             src_head_offset=seg.src_head_offset,
             src_block_ids=out.src_block_ids,
+            batch=[[layer, region, offset, crc] for layer, region, offset, crc in entries]
+            if len(entries) > 1
+            else None,
         )
         encoded = encode_header(header, ticket.secret)
         if channel.post(encoded, ticket.request_id, self._time_left(ticket)):
@@ -244,7 +274,7 @@ class KVSender:
         else:
             channel.send(encoded, b"", self._time_left(ticket))
         assert out.stats is not None
-        out.stats.num_bytes += nbytes
+        out.stats.num_bytes += nbytes * len(entries)
 
     @staticmethod
     def _layer_sent(out: _Outgoing) -> None:

@@ -4,9 +4,11 @@ what an authenticated header names, inside the region the sender shared."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 
+import msgpack
 import pytest
 import torch
 
@@ -245,3 +247,61 @@ def test_a_connection_the_receiver_closed_while_idle_is_reopened(shared):
     finally:
         sender.close()
         transport.shutdown()
+
+
+def test_layers_queued_behind_a_busy_sender_leave_in_one_chunk(transport, monkeypatch):
+    gate, posted = threading.Event(), []
+    connect = transport.connect
+
+    def gated_connect(endpoint):
+        channel = connect(endpoint)
+        pull_source, post = channel.pull_source, channel.post
+
+        def slow_pull_source(tensor):
+            gate.wait(10)  # the sender is busy while the forward pass queues more layers
+            return pull_source(tensor)
+
+        def recording_post(header, tag, timeout_s):
+            posted.append(msgpack.unpackb(msgpack.unpackb(header)["body"]))
+            return post(header, tag, timeout_s)
+
+        channel.pull_source, channel.post = slow_pull_source, recording_post
+        return channel
+
+    monkeypatch.setattr(transport, "connect", gated_connect)
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, num_layers=6)
+    gate.set()
+    assert wait_terminal([lambda: senders[0].poll("req-1")])[0].state is TransferState.DONE
+    layers = [entry[0] for chunk in posted for entry in (chunk["batch"] or [[chunk["layer"]]])]
+    assert sorted(layers) == list(range(6)) and len(posted) <= 2  # 6 layers, at most 2 messages
+    assert receivers[0].poll("req-1").layers_complete == 6
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    senders[0].close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(batch=[[0, 1, 0]]), "not \\[layer, region, offset, checksum\\]"),
+        (dict(batch=[["0", 1, 0, None]]), "not \\[layer, region, offset, checksum\\]"),
+        (dict(batch=[[0, 1, 0, None]] * 40), "a batch of 40 layers"),
+        (dict(batch=[[0, 1, 0, None]], src_region=-1), "a batch of 1 layers"),
+    ],
+)
+def test_a_malformed_batch_is_refused_and_writes_nothing(pulled_chunk, changes, match):
+    receiver, channel, header, _, dst = pulled_chunk
+    with pytest.raises(TransferRefused, match=match):
+        channel.send(header(**changes), b"", 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert receiver.refusals["malformed"] == 1
+
+
+def test_a_batch_lands_every_layer_it_names(pulled_chunk):
+    receiver, channel, header, src, dst = pulled_chunk
+    layer_bytes = src.caches[0][0].numel() * 4  # the shard's layers sit back to back in its region
+    body = msgpack.unpackb(msgpack.unpackb(header())["body"])
+    batch = [[layer, body["src_region"], body["src_offset"] + layer * layer_bytes, None] for layer in range(3)]
+    channel.send(header(batch=batch), b"", 5)
+    for layer in range(3):
+        assert torch.equal(dst.caches[0][layer][:, [1, 2, 3, 4]], src.caches[0][layer][:, [7, 8, 9, 10]])
+    assert receiver.poll("req-1").layers_complete == 3
