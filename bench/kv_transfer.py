@@ -172,7 +172,10 @@ def _receiver_process(conn, backend: str, spec: dict, tokens: int) -> None:
     receiver and registers the tickets the parent sends it."""
     num_blocks = -(-tokens // BLOCK)
     layout = _layout(spec, num_blocks)
-    dst = [torch.zeros(layout.layer_shape, dtype=_TORCH_DTYPES[spec["dtype"]]) for _ in range(spec["num_layers"])]
+    # Allocated as a decode engine allocates its cache (engine.kv_cache_memory).
+    dst, _ = allocate_kv_caches(
+        layout.layer_shape, spec["num_layers"], _TORCH_DTYPES[spec["dtype"]], torch.device("cpu")
+    )
     transport = get_transport(backend)
     receiver = KVReceiver(dst, layout, backend)
     conn.send(transport.serve(receiver))
@@ -216,7 +219,7 @@ class Pair:
         self.receiver: KVReceiver | None = None
         self.child = None
         if backend == "inproc":
-            dst = [torch.zeros(self.layout.layer_shape, dtype=dtype) for _ in range(spec["num_layers"])]
+            dst, _ = allocate_kv_caches(self.layout.layer_shape, spec["num_layers"], dtype, torch.device("cpu"))
             self.receiver = KVReceiver(dst, self.layout, backend)
             self.endpoint = self.transport.serve(self.receiver)
         else:

@@ -15,9 +15,12 @@ from common.shared_memory import SharedRegion, close_shared_region, create_share
 def allocate_kv_caches(
     layer_shape: tuple[int, ...], num_layers: int, dtype: torch.dtype, device: torch.device, *, shared: bool = False
 ) -> tuple[list[torch.Tensor], SharedRegion | None]:
-    """One zeroed tensor per layer; with ``shared`` (CPU only), all of them in one shared region."""
+    """One zeroed tensor per layer, all views of one allocation, layer after layer (a transfer can
+    then move a block range of many layers in one copy); with ``shared`` (CPU only), that
+    allocation is a shared region."""
     if not shared or device.type != "cpu":
-        return [torch.zeros(layer_shape, dtype=dtype, device=device) for _ in range(num_layers)], None
+        stacked = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=device)
+        return list(stacked.unbind(0)), None
     layer_bytes = torch.Size(layer_shape).numel() * torch.empty((), dtype=dtype).element_size()
     region = create_shared_region(max(1, layer_bytes * num_layers))
     flat = torch.frombuffer(region.buffer, dtype=torch.uint8)  # a fresh memfd reads as zeros

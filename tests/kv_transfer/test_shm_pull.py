@@ -305,3 +305,41 @@ def test_a_batch_lands_every_layer_it_names(pulled_chunk):
     for layer in range(3):
         assert torch.equal(dst.caches[0][layer][:, [1, 2, 3, 4]], src.caches[0][layer][:, [7, 8, 9, 10]])
     assert receiver.poll("req-1").layers_complete == 3
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]], ids=["consecutive", "out of order"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["one allocation", "a tensor per layer"])
+def test_a_batch_lands_the_same_whatever_the_layer_order_and_cache_allocation(transport, order, stacked):
+    src, full = make_side(1, fill=True, shared=True)
+    dst, _ = make_side(1, fill=False)
+    if not stacked:
+        dst.caches[0] = [layer.clone() for layer in dst.caches[0]]
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "shm")
+    assert (receiver._stacked is not None) == stacked
+    ticket = make_ticket("req-1", "shm", [transport.serve(receiver)], dst.layouts[0], "m", [9, 3, 4, 5], 13, 30)
+    receiver.expect(ticket)
+    channel = transport.connect(ticket.receiver_endpoints[0])
+    sources = [channel.pull_source(src.caches[0][layer]) for layer in range(3)]
+    header = ChunkHeader(
+        kind="layer",
+        request_id="req-1",
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=order[0],
+        num_heads=2,
+        num_blocks=4,
+        nbytes=2 * 4 * 4 * 2 * 8 * 4,
+        src_region=sources[order[0]][0],
+        src_offset=sources[order[0]][1],
+        src_num_blocks=src.caches[0][0].shape[1],
+        src_heads=2,
+        src_block_ids=[7, 8, 9, 30],
+        batch=[[layer, *sources[layer], None] for layer in order],
+    )
+    channel.send(encode_header(header, ticket.secret), b"", 5)
+    assert_bit_exact(full, dst, [7, 8, 9, 30], [9, 3, 4, 5], 4)
+    assert receiver.poll("req-1").layers_complete == 3
+    untouched = [b for b in range(dst.layouts[0].num_blocks) if b not in (9, 3, 4, 5)]
+    assert all(torch.count_nonzero(layer[:, untouched]) == 0 for layer in dst.caches[0])
+    channel.close()
