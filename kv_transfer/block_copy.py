@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MAX_RUN_SHARE = 8  # slices only while there are at most len(ids) / 8 runs (plus a few)
-# Below this, a copy runs on the calling thread alone. Transfer threads share the cores with the
-# forward pass; waking torch's other intra-op threads for a small copy then costs more than the
-# copy (measured: 30 layers x 197 KB took 12 ms with 2 threads, 4.5 ms with 1). Above it, the
-# extra threads still add ~10% of memory bandwidth.
-_PARALLEL_COPY_BYTES = 8 << 20
+# CPU slices are copied by numpy: one thread, the GIL released, and no wake-up of torch's intra-op
+# threads, which transfer threads would wait on while the forward pass keeps the cores busy
+# (measured: a 197 KB slice copy took 12 us with numpy and 5-700 us with torch, depending on load).
+# torch.set_num_threads(1) would do it too, but it also changes the thread count every torch
+# thread created afterwards starts with.
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,29 +69,25 @@ def scatter_plan(dst_ids: list[int]) -> BlockCopyPlan:
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, plan: BlockCopyPlan, dim: int = 1) -> None:
     """``dst[..., plan.dst_index, ...] = src[..., plan.src_index, ...]`` along the block dimension
     ``dim`` (1 for one layer, 2 for a stack of layers), bits exactly."""
-    nbytes = dst.numel() // max(1, dst.shape[dim]) * plan.num_blocks * dst.element_size()
-    threads = torch.get_num_threads()
-    if nbytes >= _PARALLEL_COPY_BYTES or threads == 1 or dst.device.type != "cpu":
-        _copy_blocks(dst, src, plan, dim)
-        return
-    torch.set_num_threads(1)  # per calling thread: the forward pass elsewhere keeps its threads
-    try:
-        _copy_blocks(dst, src, plan, dim)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, plan: BlockCopyPlan, dim: int) -> None:
-    if plan.runs is not None:
-        for s, d, length in plan.runs:
-            dst.narrow(dim, d, length).copy_(src.narrow(dim, s, length))
+    on_cpu = dst.device.type == src.device.type == "cpu"
+    if plan.runs is not None and (on_cpu or len(plan.runs) <= 4):  # on a GPU each run is a kernel launch
+        if on_cpu and dst.dtype == src.dtype:
+            as_int = _AS_INT[dst.element_size()]
+            dst_ints, src_ints = dst.view(as_int), src.view(as_int)
+            for s, d, length in plan.runs:
+                np.copyto(dst_ints.narrow(dim, d, length).numpy(), src_ints.narrow(dim, s, length).numpy())
+        else:
+            for s, d, length in plan.runs:
+                dst.narrow(dim, d, length).copy_(src.narrow(dim, s, length))
         return
     if dst.element_size() == 2 and dst.shape[-1] % 2 == 0 and dst.stride(-1) == 1 and src.stride(-1) == 1:
         # Bits only move: as float32 pairs the index kernels run ~1.8x faster than on bf16/fp16.
         dst, src = dst.view(torch.float32), src.view(torch.float32)
     src_index = plan.src_index.to(src.device)
     dst_index = plan.dst_index.to(dst.device)
-    if plan.dst_is_all and dst.shape[dim] == plan.num_blocks and dst.is_contiguous():
+    if src.device != dst.device:  # e.g. a host cache read into a GPU one: gather on the host, ship once
+        dst.index_copy_(dim, dst_index, src.index_select(dim, src_index).to(dst.device))
+    elif plan.dst_is_all and dst.shape[dim] == plan.num_blocks and dst.is_contiguous():
         torch.index_select(src, dim, src_index, out=dst)
     elif plan.src_is_all and src.shape[dim] == plan.num_blocks:
         dst.index_copy_(dim, dst_index, src)

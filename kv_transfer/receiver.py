@@ -29,6 +29,7 @@ from kv_transfer.transport import TransferRefused
 # Payloads arrive as read-only bytes; they are only read (copied into the cache), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
+_MAX_LOCKED_COPY_BYTES = 16 << 20  # a pulled batch copies at most this much per hold of the receiver's lock
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -203,7 +204,8 @@ class KVReceiver:
         self, incoming: _Incoming, layers: list[ChunkHeader], regions: Mapping[int, torch.Tensor] | None
     ) -> None:
         """Several pulled layers: consecutive layers that sit back to back on both sides move in one
-        copy per block run (a per-layer copy costs ~50 us of Python, as much as a 1k-token layer's bytes)."""
+        copy per block run (a per-layer copy costs ~50 us of Python, as much as a 1k-token layer's
+        bytes). Called with the lock held; released between groups of at most 16 MB."""
         keys = [self._check_chunk(incoming, header) for header in layers]
         if len(set(keys)) != len(keys):
             self._refuse("duplicate", "a batch names one layer twice")
@@ -213,24 +215,36 @@ class KVReceiver:
         ) * _DTYPES[self.layout.dtype].itemsize
         heads = slice(first.dst_head_offset, first.dst_head_offset + first.num_heads)
         assert self._stacked is not None
+        most = max(1, _MAX_LOCKED_COPY_BYTES // max(1, first.nbytes))  # layers copied per lock hold
+        groups: list[tuple[int, int, torch.Tensor, BlockCopyPlan]] = []  # (start, end, source, plan)
         start = 0
         while start < len(layers):
             end = start + 1
             while (
                 end < len(layers)
+                and end - start < most
                 and layers[end].layer == layers[end - 1].layer + 1
                 and layers[end].src_region == layers[start].src_region
                 and layers[end].src_offset == layers[end - 1].src_offset + src_layer_bytes
             ):
                 end += 1
-            group = layers[start:end]
-            source, plan = self._pulled_source(incoming, group[0], regions, num_layers=len(group))
-            dst = self._stacked[group[0].layer : group[0].layer + len(group), :, :, :, heads]
-            copy_blocks(dst, source, plan, dim=2)
-            for i, header in enumerate(group):
-                self._verify_pulled(incoming, header, dst[i])
-                self._landed(incoming, header, keys[start + i], header.nbytes)
+            # Every group is checked before anything is written: a refused batch writes nothing.
+            source, plan = self._pulled_source(incoming, layers[start], regions, num_layers=end - start)
+            groups.append((start, end, source, plan))
             start = end
+        for start, end, source, plan in groups:
+            if start:
+                # Let poll() and expect() in between groups: a decode step must not wait behind a
+                # whole batch. The request may have ended meanwhile: then nothing more is written.
+                self._lock.release()
+                self._lock.acquire()
+                if self._incoming.get(first.request_id) is not incoming or incoming.state.is_terminal:
+                    self._refuse("terminal", f"transfer of {first.request_id} ended during its batch")
+            dst = self._stacked[layers[start].layer : layers[end - 1].layer + 1, :, :, :, heads]
+            copy_blocks(dst, source, plan, dim=2)
+            for i in range(start, end):
+                self._verify_pulled(incoming, layers[i], dst[i - start])
+                self._landed(incoming, layers[i], keys[i], layers[i].nbytes)
 
     def _verify_pulled(self, incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> None:
         if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
@@ -395,7 +409,7 @@ def _stacked_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:
     """The bytes a payload of these blocks would have carried (to checksum a pulled chunk)."""
-    blocks = dst.index_select(1, scatter.dst_index).contiguous()
+    blocks = dst.index_select(1, scatter.dst_index.to(dst.device)).contiguous().cpu()
     return memoryview(blocks.view(torch.uint8).numpy()).cast("B")
 
 

@@ -44,7 +44,8 @@ class KVChannel(ABC):
 
     def collect(self, wait: bool, timeout_s: float) -> list[tuple[str, Exception]]:
         """The failures among posted chunks' verdicts received so far, as (tag, error); with
-        ``wait``, every outstanding verdict first. A broken connection fails every outstanding tag."""
+        ``wait``, every outstanding verdict first, each waited for at most until its own chunk's
+        deadline (or ``timeout_s``). A broken connection fails every outstanding tag."""
         return []
 
     def staging(self, nbytes: int) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 from collections import deque
 
 import msgpack
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 _LEN = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused
 _MAX_REGIONS = 64  # regions one connection may map (a cache per shard, a staging buffer)
+_MAX_MAPPED_BYTES = 1 << 40  # address space one connection may map
 _FDS_SPACE = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
 _MAX_POSTED = 64  # pulled chunks in flight per connection before the sender waits for a verdict
 
@@ -77,7 +79,7 @@ class _Reader:
     def _recv_exact(self, n: int) -> bytes:
         chunks, got = [], 0
         while got < n:
-            data, ancillary, _flags, _addr = self.sock.recvmsg(n - got, _FDS_SPACE)
+            data, ancillary, _flags, _addr = self.sock.recvmsg(n - got, _FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
             for level, kind, raw in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")
@@ -141,10 +143,10 @@ class _Connection(threading.Thread):
         finally:
             reader.close_fds()
             self.sock.close()
+            # Dropped, never closed: torch.frombuffer holds no buffer export, so close() would unmap
+            # memory a tensor may still view. The mapping goes with its last reference.
             self.tensors.clear()
-            for mapping in self.maps.values():
-                with contextlib.suppress(BufferError):  # a view may still be alive; it goes with it
-                    mapping.close()
+            self.maps.clear()
 
     def _map(self, msg: dict, fd: int | None) -> None:
         if fd is None:
@@ -154,6 +156,8 @@ class _Connection(threading.Thread):
             self._forget(msg.get("replaces"))
             if len(self.maps) >= _MAX_REGIONS:
                 raise ValueError(f"a connection maps at most {_MAX_REGIONS} regions")
+            if sum(len(m) for m in self.maps.values()) + nbytes > _MAX_MAPPED_BYTES:
+                raise ValueError(f"a connection maps at most {_MAX_MAPPED_BYTES} bytes")
             mapping = map_shared_region(fd, nbytes)
         finally:
             os.close(fd)  # the mapping keeps the memory; the descriptor is no longer needed
@@ -165,10 +169,7 @@ class _Connection(threading.Thread):
         if region_id is None:
             return
         self.tensors.pop(int(region_id), None)
-        mapping = self.maps.pop(int(region_id), None)
-        if mapping is not None:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        self.maps.pop(int(region_id), None)  # unmapped with its last reference (see run)
 
     def _payload(self, msg: dict) -> memoryview | bytes:
         nbytes = int(msg.get("nbytes", 0))
@@ -191,7 +192,7 @@ class _ShmChannel(KVChannel):
         self.staging_region: SharedRegion | None = None
         self.shared: set[int] = set()  # regions the receiver has mapped on this connection
         self.replaced_staging: int | None = None  # the receiver may unmap it when the new one arrives
-        self.posted: deque[str] = deque()  # tags of pulled chunks whose verdicts are outstanding, in order
+        self.posted: deque[tuple[str, float]] = deque()  # (tag, deadline) of posted chunks, in order
         self.late_failures: list[tuple[str, Exception]] = []
 
     # --- pull: the receiver reads the tensor in place ----------------------------------------
@@ -210,21 +211,25 @@ class _ShmChannel(KVChannel):
     def post(self, header, tag, timeout_s):
         """Pulled chunks stream without a round trip each: the receiver answers them in order."""
         if len(self.posted) >= _MAX_POSTED:
-            self._read_posted_verdict(timeout_s)
+            self._read_posted_verdict()
         self._connect(timeout_s)
         try:
             assert self.sock is not None
+            self.sock.settimeout(timeout_s)
             _send_msg(self.sock, {"op": "chunk", "header": bytes(header), "region": -1, "nbytes": 0})
+        except TimeoutError as exc:
+            self._broken(exc)
+            raise
         except OSError as exc:
             self._broken(exc)
             raise ConnectionError(f"KV receiver at {self.path} went away: {exc}") from exc
-        self.posted.append(tag)
+        self.posted.append((tag, time.monotonic() + timeout_s))
         return True
 
     def collect(self, wait, timeout_s):
         while self.posted and (wait or self._readable()):
             try:
-                self._read_posted_verdict(timeout_s)
+                self._read_posted_verdict()
             except (TimeoutError, ConnectionError):
                 break  # every outstanding tag has been failed by _broken
         failures, self.late_failures = self.late_failures, []
@@ -233,9 +238,12 @@ class _ShmChannel(KVChannel):
     def _readable(self) -> bool:
         return self.sock is not None and bool(select.select([self.sock], [], [], 0)[0])
 
-    def _read_posted_verdict(self, timeout_s: float) -> None:
+    def _read_posted_verdict(self) -> None:
+        """The oldest posted chunk's verdict, waited for until that chunk's own deadline (not the
+        deadline of whatever is being sent now: a request with little lease left must not fail
+        the chunks of others)."""
         assert self.sock is not None and self.reader is not None
-        self.sock.settimeout(timeout_s)
+        self.sock.settimeout(max(0.05, self.posted[0][1] - time.monotonic()))
         try:
             verdict = self.reader.message()
         except TimeoutError as exc:
@@ -244,14 +252,14 @@ class _ShmChannel(KVChannel):
         except (OSError, ValueError) as exc:
             self._broken(exc)
             raise ConnectionError(f"KV receiver at {self.path} went away: {exc}") from exc
-        tag = self.posted.popleft()
+        tag, _ = self.posted.popleft()
         if not verdict["ok"]:
             self.late_failures.append((tag, TransferRefused(verdict["reason"])))
 
     def _broken(self, exc: Exception) -> None:
         """The connection died with verdicts outstanding: each of those chunks failed."""
         reason = exc if isinstance(exc, TimeoutError) else ConnectionError(f"KV receiver at {self.path}: {exc}")
-        self.late_failures.extend((tag, reason) for tag in self.posted)
+        self.late_failures.extend((tag, reason) for tag, _ in self.posted)
         self.posted.clear()
         self.close_connection()
 
@@ -289,14 +297,17 @@ class _ShmChannel(KVChannel):
     # --- the connection -----------------------------------------------------------------------
     def _share(self, region: SharedRegion, timeout_s: float, replaces: int | None = None) -> None:
         message = {"op": "region", "id": region.region_id, "nbytes": region.nbytes, "replaces": replaces}
-        self._call(message, timeout_s, fd=region.fd)
+        # A read-only descriptor of the region: the receiver can neither map it writable nor resize it.
+        read_only = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._call(message, timeout_s, fd=read_only)
+        finally:
+            os.close(read_only)
         self.shared.add(region.region_id)
 
     def _drop(self, region: SharedRegion) -> None:
         self.shared.discard(region.region_id)
-        close_shared_region(region)
-        with contextlib.suppress(BufferError):
-            region.buffer.close()
+        close_shared_region(region)  # the mapping goes with its last reference, never under a live view
 
     def _connect(self, timeout_s: float) -> None:
         if self.sock is not None and not self.posted and self._readable():
@@ -315,7 +326,7 @@ class _ShmChannel(KVChannel):
     def _call(self, message: dict, timeout_s: float, fd: int | None = None) -> None:
         """One message and its verdict, after the verdicts of chunks posted before it."""
         while self.posted:
-            self._read_posted_verdict(timeout_s)  # failures wait in late_failures for collect()
+            self._read_posted_verdict()  # failures wait in late_failures for collect()
         self._connect(timeout_s)
         assert self.sock is not None and self.reader is not None
         self.sock.settimeout(timeout_s)

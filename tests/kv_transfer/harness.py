@@ -8,11 +8,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.kv_layout import KVCacheLayout
-from engine.kv_cache_memory import allocate_kv_caches
+from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
 from kv_transfer.backends.shm import SharedMemoryTransport
 from kv_transfer.resharding import shard_heads
 from kv_transfer.transport import KVTransport, get_transport
+
+OPEN_REGIONS: list = []  # shared caches made by make_side; tests/kv_transfer/conftest.py releases them
+
+
+def release_regions() -> None:
+    while OPEN_REGIONS:
+        release_kv_caches(OPEN_REGIONS.pop())
 
 
 class PullShm(SharedMemoryTransport):
@@ -71,7 +78,11 @@ def make_side(
     caches = []
     for layout in layouts:
         heads = shard_heads(layout.tp_rank, tp, base.total_kv_heads)
-        layers, _ = allocate_kv_caches(layout.layer_shape, base.num_layers, dtype, torch.device("cpu"), shared=shared)
+        layers, region = allocate_kv_caches(
+            layout.layer_shape, base.num_layers, dtype, torch.device("cpu"), shared=shared
+        )
+        if region is not None:
+            OPEN_REGIONS.append(region)
         if full is not None:
             for layer, whole in zip(layers, full, strict=True):
                 layer.copy_(whole[:, :, :, heads.start : heads.stop])

@@ -60,3 +60,16 @@ def test_head_slices_copy_only_their_heads():
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match="3 source blocks for 2"):
         plan_block_copy([1, 2, 3], [4, 5])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stack_of_layers_copies_along_dim_2(case, dtype):
+    src_ids, dst_ids = CASES[case]
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(3, 2, 64, 4, 3, 8, generator=g).to(dtype)
+    dst = torch.zeros(3, 2, 64, 4, 3, 8, dtype=dtype)
+    copy_blocks(dst, src, plan_block_copy(src_ids, dst_ids), dim=2)
+    for layer in range(3):
+        expected = _reference(torch.zeros_like(dst[layer]), src[layer], src_ids, dst_ids)
+        assert torch.equal(dst[layer].view(torch.uint8), expected.view(torch.uint8))

@@ -3,6 +3,7 @@ what an authenticated header names, inside the region the sender shared."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -37,11 +38,11 @@ def test_a_shared_source_is_pulled_without_staging_and_leaves_nothing_behind(tra
     states = wait_terminal([lambda: receivers[0].poll("req-1")] + [lambda s=s: s.poll("req-1") for s in senders])
     assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
     assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert _shm_files() <= before  # while connections are open: memfd regions have no name in /dev/shm
     for sender in senders:
         channels = list(sender._channels.values())
         assert channels and all(ch.staging_region is None for ch in channels)  # no staging copy was made
         sender.close()
-    assert _shm_files() <= before  # memfd regions have no name in /dev/shm
 
 
 def test_shared_kv_caches_are_zeroed_views_of_one_region():
@@ -62,13 +63,28 @@ def test_a_peer_maps_the_region_read_only():
     region = create_shared_region(4096)
     try:
         region.buffer[:4] = b"kv!!"
-        peer = map_shared_region(os.dup(region.fd), 4096)
+        peer = map_shared_region(region.fd, 4096)
         assert peer[:4] == b"kv!!"
         with pytest.raises(TypeError):
             peer[:4] = b"nope"
         with pytest.raises(ValueError, match="holds 4096 bytes"):
-            map_shared_region(os.dup(region.fd), 8192)
+            map_shared_region(region.fd, 8192)
     finally:
+        close_shared_region(region)
+
+
+def test_the_descriptor_a_receiver_gets_is_read_only(transport):
+    # What _share sends: a read-only reopen of the region, which cannot be mapped writable or resized.
+    region = create_shared_region(4096)
+    read_only = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(read_only, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.ftruncate(read_only, 1 << 20)
+        assert os.fstat(region.fd).st_size == 4096
+    finally:
+        os.close(read_only)
         close_shared_region(region)
 
 
@@ -125,6 +141,7 @@ def test_a_pulled_chunk_lands_exactly(pulled_chunk):
         (dict(src_block_ids=[7, 8, 9]), "3 source blocks for 4"),
         (dict(src_heads=1), "source heads out of range"),
         (dict(nbytes=64), "expected"),
+        (dict(batch=[[0, None, 0, None], [1, None, 0, None]]), "not \\[layer, region, offset, checksum\\]"),
     ],
 )
 def test_a_pulled_chunk_outside_its_bounds_is_refused_and_reads_nothing(pulled_chunk, changes, match):
@@ -343,3 +360,113 @@ def test_a_batch_lands_the_same_whatever_the_layer_order_and_cache_allocation(tr
     untouched = [b for b in range(dst.layouts[0].num_blocks) if b not in (9, 3, 4, 5)]
     assert all(torch.count_nonzero(layer[:, untouched]) == 0 for layer in dst.caches[0])
     channel.close()
+
+
+def test_a_late_refusal_is_reported_under_its_own_tag(pulled_chunk):
+    # Verdicts of posted chunks come back in order; collect() names the chunk each belongs to.
+    _, channel, header, src, dst = pulled_chunk
+    assert channel.post(header(request_id="nobody"), "nobody", 5)  # no such ticket: refused
+    assert channel.post(header(), "req-1", 5)  # accepted
+    failures = channel.collect(wait=True, timeout_s=5)
+    assert [(tag, type(error).__name__) for tag, error in failures] == [("nobody", "TransferRefused")]
+    assert "no ticket" in str(failures[0][1])
+    assert torch.equal(dst.caches[0][0][:, [1, 2, 3, 4]], src.caches[0][0][:, [7, 8, 9, 10]])
+    assert not channel.posted
+
+
+@pytest.mark.parametrize(
+    "layers_and_offsets",
+    [[(1, 2), (2, 3)], [(2, 2), (0, 3)]],  # (layer, offset in layers): one group running past; a valid then a bad one
+    ids=["one group", "second group"],
+)
+def test_a_batch_running_past_the_region_is_refused_and_writes_nothing(pulled_chunk, layers_and_offsets):
+    receiver, channel, header, src, dst = pulled_chunk
+    body = msgpack.unpackb(msgpack.unpackb(header())["body"])
+    layer_bytes = src.caches[0][0].numel() * 4  # the region holds layers 0-2 back to back
+    batch = [
+        [layer, body["src_region"], body["src_offset"] + at * layer_bytes, None] for layer, at in layers_and_offsets
+    ]
+    with pytest.raises(TransferRefused, match="outside the shared region"):
+        channel.send(header(layer=batch[0][0], src_offset=batch[0][2], batch=batch), b"", 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert receiver.poll("req-1").layers_complete == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_of_scattered_blocks_lands_bit_exact(transport, dtype):
+    # 16 scattered blocks: too many runs to coalesce, so the stacked copy takes the index kernels.
+    shape = dict(num_blocks=40, dtype=dtype)
+    src, full = make_side(1, fill=True, shared=True, **shape)
+    dst, _ = make_side(1, fill=False, **shape)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "shm")
+    src_ids = [31, 2, 19, 5, 38, 11, 0, 27, 8, 14, 33, 21, 6, 25, 17, 36]
+    dst_ids = [4, 29, 12, 0, 35, 18, 9, 23, 1, 39, 15, 7, 30, 20, 26, 10]
+    ticket = make_ticket("req-1", "shm", [transport.serve(receiver)], dst.layouts[0], "m", dst_ids, 64, 30)
+    receiver.expect(ticket)
+    channel = transport.connect(ticket.receiver_endpoints[0])
+    sources = [channel.pull_source(src.caches[0][layer]) for layer in range(3)]
+    header = ChunkHeader(
+        kind="layer",
+        request_id="req-1",
+        sender_rank=0,
+        sender_tp=1,
+        receiver_rank=0,
+        layer=0,
+        num_heads=2,
+        num_blocks=16,
+        nbytes=2 * 16 * 4 * 2 * 8 * src.caches[0][0].element_size(),
+        src_region=sources[0][0],
+        src_offset=sources[0][1],
+        src_num_blocks=40,
+        src_heads=2,
+        src_block_ids=src_ids,
+        batch=[[layer, *sources[layer], None] for layer in range(3)],
+    )
+    channel.send(encode_header(header, ticket.secret), b"", 5)
+    assert_bit_exact(full, dst, src_ids, dst_ids, 16)
+    untouched = [b for b in range(40) if b not in dst_ids]
+    assert all(torch.count_nonzero(layer[:, untouched]) == 0 for layer in dst.caches[0])
+    channel.close()
+
+
+def test_a_batch_lets_go_of_the_lock_between_groups_and_stops_if_its_request_ended(pulled_chunk, monkeypatch):
+    import kv_transfer.receiver as receiver_module
+
+    class CountingLock:
+        def __init__(self) -> None:
+            self.lock, self.acquired = threading.Lock(), 0
+
+        def acquire(self) -> bool:
+            self.acquired += 1
+            return self.lock.acquire()
+
+        def release(self) -> None:
+            self.lock.release()
+
+        def __enter__(self):
+            return self.acquire()
+
+        def __exit__(self, *exc) -> None:
+            self.release()
+
+    receiver, channel, header, src, dst = pulled_chunk
+    monkeypatch.setattr(receiver_module, "_MAX_LOCKED_COPY_BYTES", 1)  # one layer per lock hold
+    receiver._lock = lock = CountingLock()
+    holds, landed = [], receiver._landed
+
+    def landed_then_check(incoming, layer_header, key, nbytes):
+        landed(incoming, layer_header, key, nbytes)
+        holds.append((layer_header.layer, lock.lock.locked(), lock.acquired))
+        if layer_header.layer == 1:  # meanwhile, elsewhere, the request fails (say, its lease ran out)
+            receiver._fail(incoming, "ended elsewhere")
+
+    monkeypatch.setattr(receiver, "_landed", landed_then_check)
+    body = msgpack.unpackb(msgpack.unpackb(header())["body"])
+    layer_bytes = src.caches[0][0].numel() * 4
+    batch = [[layer, body["src_region"], body["src_offset"] + layer * layer_bytes, None] for layer in range(3)]
+    with pytest.raises(TransferRefused, match="ended during its batch"):
+        channel.send(header(batch=batch), b"", 5)
+    # Layers 0 and 1 landed, each under its own hold of the lock; layer 2 was never written.
+    assert holds == [(0, True, 1), (1, True, 2)] and lock.acquired == 3
+    assert torch.equal(dst.caches[0][1][:, [1, 2, 3, 4]], src.caches[0][1][:, [7, 8, 9, 10]])
+    assert torch.count_nonzero(dst.caches[0][2]) == 0
