@@ -169,9 +169,7 @@ class KVReceiver:
 
     def _check_chunk(self, incoming: _Incoming, header: ChunkHeader) -> tuple[int, int, int]:
         """The chunk's key in the transfer plan, once it is known to be expected, new and well shaped."""
-        if not 0 <= header.layer < self.layout.num_layers:
-            self._refuse("unplanned", f"{incoming.ticket.request_id}: no layer {header.layer} here")
-        key = (header.sender_rank, header.layer, header.dst_head_offset)
+        key = (header.sender_rank, header.layer, header.dst_head_offset)  # the plan covers this shard's layers only
         if key not in incoming.expected:
             self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
         if key in incoming.landed:
@@ -195,8 +193,7 @@ class KVReceiver:
         else:
             target = self._target_view(incoming, header, payload)
             if header.checksum is not None and checksum(payload) != header.checksum:
-                self._fail(incoming, f"checksum mismatch in layer {header.layer}")
-                self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+                self._checksum_failed(incoming, header)
             copy_blocks(dst, target, incoming.scatter)
         self._landed(incoming, header, key, header.nbytes if header.pulled else len(payload))
 
@@ -248,8 +245,11 @@ class KVReceiver:
 
     def _verify_pulled(self, incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> None:
         if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
-            self._fail(incoming, f"checksum mismatch in layer {header.layer}")
-            self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
+            self._checksum_failed(incoming, header)
+
+    def _checksum_failed(self, incoming: _Incoming, header: ChunkHeader) -> NoReturn:
+        self._fail(incoming, f"checksum mismatch in layer {header.layer}")
+        self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
 
     def _landed(self, incoming: _Incoming, header: ChunkHeader, key: tuple[int, int, int], nbytes: int) -> None:
         now = time.monotonic()

@@ -11,10 +11,18 @@ from common.kv_layout import KVCacheLayout
 from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
 from kv_transfer.backends.shm import SharedMemoryTransport
+from kv_transfer.protocol import ChunkHeader
 from kv_transfer.resharding import shard_heads
 from kv_transfer.transport import KVTransport, get_transport
 
 OPEN_REGIONS: list = []  # shared caches made by make_side; tests/kv_transfer/conftest.py releases them
+
+
+def layer_chunk_header(**fields) -> ChunkHeader:
+    """A hand-made chunk header (not from a KVSender): layer 0 of "req-1" from sender 0 of TP 1 to
+    receiver 0, unless ``fields`` say otherwise."""
+    base = dict(kind="layer", request_id="req-1", sender_rank=0, sender_tp=1, receiver_rank=0, layer=0)
+    return ChunkHeader(**{**base, **fields})
 
 
 def release_regions() -> None:
@@ -147,6 +155,7 @@ __all__ = [
     "PullShm",
     "TransferState",
     "assert_bit_exact",
+    "layer_chunk_header",
     "layout_for",
     "make_side",
     "pulls",

@@ -16,9 +16,9 @@ import torch
 from common.shared_memory import close_shared_region, create_shared_region, find_shared_region, map_shared_region
 from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
-from kv_transfer.protocol import ChunkHeader, encode_header
+from kv_transfer.protocol import encode_header
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import PullShm, assert_bit_exact, make_side, transfer, wait_terminal
+from tests.kv_transfer.harness import PullShm, assert_bit_exact, layer_chunk_header, make_side, transfer, wait_terminal
 
 
 @pytest.fixture
@@ -103,12 +103,6 @@ def pulled_chunk(transport):
 
     def header(secret: bytes = ticket.secret, **changes) -> bytes:
         fields = dict(
-            kind="layer",
-            request_id="req-1",
-            sender_rank=0,
-            sender_tp=1,
-            receiver_rank=0,
-            layer=0,
             num_heads=2,
             num_blocks=4,
             nbytes=2 * 4 * 4 * 2 * 8 * 4,
@@ -118,7 +112,7 @@ def pulled_chunk(transport):
             src_heads=2,
             src_block_ids=[7, 8, 9, 10],
         )
-        return encode_header(ChunkHeader(**{**fields, **changes}), secret)
+        return encode_header(layer_chunk_header(**{**fields, **changes}), secret)
 
     yield receiver, channel, header, src, dst
     channel.close()
@@ -337,12 +331,7 @@ def test_a_batch_lands_the_same_whatever_the_layer_order_and_cache_allocation(tr
     receiver.expect(ticket)
     channel = transport.connect(ticket.receiver_endpoints[0])
     sources = [channel.pull_source(src.caches[0][layer]) for layer in range(3)]
-    header = ChunkHeader(
-        kind="layer",
-        request_id="req-1",
-        sender_rank=0,
-        sender_tp=1,
-        receiver_rank=0,
+    header = layer_chunk_header(
         layer=order[0],
         num_heads=2,
         num_blocks=4,
@@ -405,12 +394,7 @@ def test_a_batch_of_scattered_blocks_lands_bit_exact(transport, dtype):
     receiver.expect(ticket)
     channel = transport.connect(ticket.receiver_endpoints[0])
     sources = [channel.pull_source(src.caches[0][layer]) for layer in range(3)]
-    header = ChunkHeader(
-        kind="layer",
-        request_id="req-1",
-        sender_rank=0,
-        sender_tp=1,
-        receiver_rank=0,
+    header = layer_chunk_header(
         layer=0,
         num_heads=2,
         num_blocks=16,

@@ -13,6 +13,7 @@ from kv_transfer.protocol import ChunkHeader, encode_header
 from kv_transfer.transport import TransferRefused, available_backends
 from tests.kv_transfer.harness import (
     assert_bit_exact,
+    layer_chunk_header,
     layout_for,
     make_side,
     pulls,
@@ -92,18 +93,7 @@ def test_layers_arrive_before_later_layers_are_produced(transport):
 def _layer0_chunk(num_heads: int, checksum: int | None = None) -> tuple[ChunkHeader, bytes]:
     """A hand-made layer-0 chunk of ones for the 4-block, 8-dim test layout (not from a KVSender)."""
     payload = torch.ones(2, 4, 4, num_heads, 8).numpy().tobytes()
-    header = ChunkHeader(
-        kind="layer",
-        request_id="req-1",
-        sender_rank=0,
-        sender_tp=1,
-        receiver_rank=0,
-        layer=0,
-        num_heads=num_heads,
-        num_blocks=4,
-        nbytes=len(payload),
-        checksum=checksum,
-    )
+    header = layer_chunk_header(num_heads=num_heads, num_blocks=4, nbytes=len(payload), checksum=checksum)
     return header, payload
 
 
