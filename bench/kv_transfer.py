@@ -14,6 +14,12 @@ The "hidden %" column pushes each transfer's layers behind a simulated per-layer
 twice one layer's transfer, and reports the share of the transfer that compute hid; "first layer
 ms" comes from that run: from the compute thread handing layer 0 over to the receiver having all
 of it in its blocks. GB/s and "ms" come from back-to-back pushes (no compute), best of --repeats.
+
+"One layer's transfer" is measured two ways. Back to back, a sender that falls behind sends the
+layers queued together, so a layer costs the whole transfer over the number of layers ("hidden %").
+Behind a forward pass, layers leave one at a time, each with its own round trips: "solo layer ms"
+hands each layer over only once the previous one was acknowledged, and "hidden % solo" uses twice
+that as the compute time — the case the target names, compute per layer above transfer per layer.
 """
 
 from __future__ import annotations
@@ -240,10 +246,11 @@ class Pair:
             raise TimeoutError(f"the receiver process did not answer {op!r}")
         return self.conn.recv()
 
-    def run(self, compute_per_layer_s: float = 0.0) -> tuple[float, float, float]:
+    def run(self, compute_per_layer_s: float = 0.0, solo: bool = False) -> tuple[float, float, float]:
         """One transfer; returns (seconds until the sender saw DONE — every chunk and the final
         message acknowledged —, seconds until layer 0 sat in the receiver's blocks, seconds the
-        simulated compute actually took)."""
+        simulated compute actually took). ``solo``: each layer is handed over only once the one
+        before it was acknowledged (one layer per chunk)."""
         self.count += 1
         request_id = f"r{self.count}"
         ticket = make_ticket(
@@ -266,6 +273,8 @@ class Pair:
             began = time.perf_counter()
             self.sender.send_layer(request_id, layer, kv)
             in_transfer_calls += time.perf_counter() - began
+            while solo and self.sender.poll(request_id).layers_sent <= layer:
+                time.sleep(0.0001)
         began = time.perf_counter()
         self.sender.finish(request_id, 0)
         finished = time.perf_counter()
@@ -355,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
                     per_layer = best / LAYOUTS[name]["num_layers"]
                     # Compute per layer exceeds transfer per layer: twice one layer's transfer.
                     overlapped, first_layer, compute_total = pair.run(compute_per_layer_s=2 * per_layer)
+                    solo = min(pair.run(solo=True)[0] for _ in range(2)) / LAYOUTS[name]["num_layers"]
+                    paced, _, paced_compute = pair.run(compute_per_layer_s=2 * solo)
                     row = {
                         "backend": backend,
                         "layout": name,
@@ -369,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if library.get(backend):
                         row["of library"] = pair.num_bytes / best / library[backend]
                     row["hidden %"] = 100 * max(0.0, min(1.0, (compute_total + best - overlapped) / best))
+                    row["solo layer ms"] = solo * 1e3
+                    row["hidden % solo"] = 100 * max(0.0, min(1.0, (paced_compute + best - paced) / best))
                     rows.append(row)
                 finally:
                     pair.close()
@@ -387,6 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
             "of ceiling",
             "of library",
             "hidden %",
+            "solo layer ms",
+            "hidden % solo",
             "note",
         ],
     )

@@ -20,6 +20,9 @@ from dataclasses import dataclass, fields
 
 import msgpack
 
+MAX_DIRECT_RUNS = 8  # a payload received in place comes in a piece per run; more runs, and it is copied
+MAX_DIRECT_PIECES = 256  # pieces (K or V of one run of one layer) in one chunk received in place
+
 
 class ProtocolError(Exception):
     """A chunk that must not be written: bad signature, bad checksum, malformed header."""

@@ -4,6 +4,12 @@ Per request:  PENDING (ticket registered) ─▶ TRANSFERRING (first layer lande
 expected layer from every expected sender, and their "done") | FAILED (checksum, lease expired,
 a sender finished short). A chunk with a bad signature is refused and counted, but does not fail
 the transfer: an unauthenticated party must not be able to cancel someone else's request.
+
+Chunks land one of three ways:
+    apply(header, payload)        the payload's bytes are copied into the reserved blocks (lock held)
+    apply(header, b"", regions)   a pulled chunk: copied from the sender's shared memory (lock held)
+    begin_direct / end_direct     the transport receives the payload straight into the reserved
+                                  blocks (outside the lock, no copy); release() waits for it to end
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import zlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -20,7 +27,7 @@ import torch
 
 from common.kv_layout import KVCacheLayout
 from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, plan_block_copy, scatter_plan
-from kv_transfer.protocol import ChunkHeader, ProtocolError, checksum, decode_header, peek_request_id
+from kv_transfer.protocol import MAX_DIRECT_RUNS, ChunkHeader, ProtocolError, checksum, decode_header, peek_request_id
 from kv_transfer.resharding import plan_transfer, senders_for, shard_heads
 from kv_transfer.state import TransferState, TransferStats
 from kv_transfer.ticket import KVTicket, TicketError
@@ -31,6 +38,10 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _MAX_LOCKED_COPY_BYTES = 16 << 20  # a pulled batch copies at most this much per hold of the receiver's lock
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NotInPlace(TransferRefused):
+    """This receiver cannot take the chunk in place; the sender may send it to be copied instead."""
 
 
 @dataclass
@@ -49,6 +60,21 @@ class _Incoming:
     stats: TransferStats | None = None
     # (checked header fields, sender's block ids, their copy plan): what pulled layers share
     pull_plan: tuple[tuple[int, ...], list[int], BlockCopyPlan] | None = None
+    writing: set[tuple[int, int, int]] = field(default_factory=set)  # chunks a transport is receiving in place
+    direct_plan: tuple[list[int], BlockCopyPlan] | None = None  # (sender's block ids, their runs)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectWrite:
+    """A chunk the transport receives straight into reserved blocks: ``targets`` are contiguous
+    byte views of those blocks, in payload order (layer by layer; in each, K then V, each by run of
+    consecutive blocks)."""
+
+    request_id: str
+    layers: list[ChunkHeader]  # one header per layer the chunk carries
+    keys: list[tuple[int, int, int]]
+    targets: list[torch.Tensor]
+    incoming: _Incoming = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +93,7 @@ class KVReceiver:
         self.layout = layout
         self.backend = backend
         self._lock = threading.Lock()
+        self._writes_ended = threading.Condition(self._lock)
         self._incoming: dict[str, _Incoming] = {}
         self.refusals: Counter = Counter()  # reason -> count, for metrics
 
@@ -101,9 +128,16 @@ class KVReceiver:
         return incoming.stats if incoming else None
 
     def release(self, request_id: str) -> None:
-        """Forget a ticket (its blocks are the engine's to free); later chunks for it are refused."""
+        """Forget a ticket (its blocks are the engine's to free); later chunks for it are refused.
+
+        Returns only once no transport is still receiving into the ticket's blocks: a payload in
+        flight ends within its chunk's deadline (gloo closes a pair whose receive timed out, and a
+        closed pair writes nothing more), so this waits at most that long, and only in a transfer
+        ended mid-payload."""
         with self._lock:
-            self._incoming.pop(request_id, None)
+            incoming = self._incoming.pop(request_id, None)
+            while incoming is not None and incoming.writing:
+                self._writes_ended.wait()
 
     # --- the transport's side --------------------------------------------------------------
     def apply(
@@ -116,25 +150,8 @@ class KVReceiver:
         ``regions``: the sender's memory this transport mapped (region id -> flat uint8 tensor),
         from which a pulled chunk (``header.pulled``) is read in place instead of from ``payload``.
         """
-        try:
-            request_id = peek_request_id(raw_header)
-        except ProtocolError as exc:
-            self._refuse("malformed", str(exc))
         with self._lock:
-            incoming = self._incoming.get(request_id)
-            if incoming is None:
-                self._refuse("unknown_ticket", f"no ticket for request {request_id!r} here")
-            try:
-                header = decode_header(raw_header, incoming.ticket.secret)
-            except ProtocolError as exc:
-                self._refuse("bad_signature", str(exc))
-            if incoming.state.is_terminal:
-                self._refuse("terminal", f"transfer of {request_id} already {incoming.state.name}")
-            if incoming.ticket.is_expired():
-                self._fail(incoming, "lease expired before the KV arrived")
-                self._refuse("lease_expired", "the ticket's lease has expired")
-            if header.receiver_rank != self.layout.tp_rank:
-                self._refuse("wrong_shard", f"chunk for shard {header.receiver_rank} reached {self.layout.tp_rank}")
+            incoming, header = self._authenticate(raw_header)
             self._learn_senders(incoming, header)
             if header.kind == "done":
                 self._on_done(incoming, header)
@@ -146,13 +163,119 @@ class KVReceiver:
                 for layer_header in layers:
                     self._apply_layer(incoming, layer_header, payload, regions)
 
+    def begin_direct(self, raw_header: bytes, nbytes: int, num_pieces: int) -> DirectWrite:
+        """Check a chunk whose payload the transport will receive in place, and reserve its targets.
+
+        Only a chunk carrying every head of this shard, for blocks whose runs are few, qualifies;
+        anything else is refused (the sender then sends the payload to be copied). A chunk may carry
+        several layers (``header.batch``: those queued at the sender). The caller must call
+        ``end_direct`` exactly once afterwards, whatever happens to the payload."""
+        with self._lock:
+            incoming, header = self._authenticate(raw_header)
+            if header.kind != "layer" or header.pulled or header.src_block_ids is None:
+                self._refuse("malformed", "a chunk received in place names its layers and source blocks")
+            self._learn_senders(incoming, header)
+            layers = self._layers_of(header, in_place=True)
+            keys = [self._check_chunk(incoming, layer) for layer in layers]
+            if len(set(keys)) != len(keys) or incoming.writing.intersection(keys):
+                self._refuse("duplicate", f"chunks {keys} named twice or already being received")
+            layout = self.layout
+            layer_bytes = (
+                2 * incoming.ticket.num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
+            ) * _DTYPES[layout.dtype].itemsize
+            if header.num_heads != layout.num_kv_heads or header.dst_head_offset != 0:
+                self._refuse("shape", f"layer {header.layer}: a chunk received in place carries every head")
+            if (
+                header.num_blocks != incoming.ticket.num_blocks
+                or layer_bytes != header.nbytes
+                or nbytes != layer_bytes * len(layers)
+            ):
+                self._refuse("shape", f"layer {header.layer}: {nbytes} bytes, expected {layer_bytes * len(layers)}")
+            runs = self._direct_runs(incoming, header.src_block_ids)
+            if len(layers) * 2 * len(runs) != num_pieces:
+                self._refuse("shape", f"{num_pieces} pieces, expected {len(layers) * 2 * len(runs)}")
+            targets = []
+            for layer in layers:
+                kv = self.kv_caches[layer.layer]
+                if not kv.is_contiguous():
+                    self.refusals["not_in_place"] += 1
+                    raise NotInPlace(f"layer {layer.layer} of this cache is not contiguous")
+                targets += [
+                    kv[part].narrow(0, dst, n).view(-1).view(torch.uint8) for part in (0, 1) for _, dst, n in runs
+                ]
+            incoming.writing.update(keys)
+            return DirectWrite(incoming.ticket.request_id, layers, keys, targets, incoming)
+
+    def end_direct(self, write: DirectWrite, received: bool, reason: str = "") -> None:
+        """The transport is done with ``write``'s targets: every byte received (``received``) or the
+        payload failed midway (``reason``; the request fails). Raises TransferRefused like ``apply``."""
+        with self._lock:
+            owner = write.incoming
+            owner.writing.difference_update(write.keys)
+            self._writes_ended.notify_all()  # release() may be waiting for this write to end
+            if self._incoming.get(write.request_id) is not owner:
+                self._refuse("terminal", f"transfer of {write.request_id} was released during its payload")
+            first = write.layers[0].layer
+            if not received:
+                self._fail(owner, f"layer {first}+ payload not received: {reason}")
+                self._refuse("payload", f"layer {first}+ payload not received: {reason}")
+            per_layer = len(write.targets) // len(write.layers)
+            for i, (header, key) in enumerate(zip(write.layers, write.keys, strict=True)):
+                if owner.state.is_terminal:
+                    self._refuse("terminal", f"transfer of {write.request_id} already {owner.state.name}")
+                targets = write.targets[i * per_layer : (i + 1) * per_layer]
+                if header.checksum is not None and _crc(targets) != header.checksum:
+                    self._checksum_failed(owner, header)
+                self._landed(owner, header, key, header.nbytes, in_place=True)
+
     # --- helpers (hold the lock) -----------------------------------------------------------
-    def _layers_of(self, header: ChunkHeader) -> list[ChunkHeader]:
-        """A chunk's layers, one header each: the chunk itself, or each entry of a pulled batch."""
+    def _authenticate(self, raw_header: bytes) -> tuple[_Incoming, ChunkHeader]:
+        """The chunk's transfer and verified header, for a live ticket addressed to this shard."""
+        try:
+            request_id = peek_request_id(raw_header)
+        except ProtocolError as exc:
+            self._refuse("malformed", str(exc))
+        incoming = self._incoming.get(request_id)
+        if incoming is None:
+            self._refuse("unknown_ticket", f"no ticket for request {request_id!r} here")
+        try:
+            header = decode_header(raw_header, incoming.ticket.secret)
+        except ProtocolError as exc:
+            self._refuse("bad_signature", str(exc))
+        if incoming.state.is_terminal:
+            self._refuse("terminal", f"transfer of {request_id} already {incoming.state.name}")
+        if incoming.ticket.is_expired():
+            self._fail(incoming, "lease expired before the KV arrived")
+            self._refuse("lease_expired", "the ticket's lease has expired")
+        if header.receiver_rank != self.layout.tp_rank:
+            self._refuse("wrong_shard", f"chunk for shard {header.receiver_rank} reached {self.layout.tp_rank}")
+        return incoming, header
+
+    def _direct_runs(self, incoming: _Incoming, src_ids: list[int]) -> list[tuple[int, int, int]]:
+        """The runs of consecutive blocks on both sides, which split a payload received in place."""
+        cached = incoming.direct_plan
+        if cached is None or cached[0] != src_ids:
+            if len(src_ids) != incoming.ticket.num_blocks or not all(isinstance(b, int) for b in src_ids):
+                self._refuse("shape", f"{len(src_ids)} source blocks for {incoming.ticket.num_blocks} reserved")
+            plan = plan_block_copy(src_ids, list(incoming.ticket.block_ids[: len(src_ids)]))
+            if plan.runs is None or len(plan.runs) > MAX_DIRECT_RUNS:
+                self._refuse("shape", "blocks too fragmented to receive in place")
+            cached = incoming.direct_plan = (src_ids, plan)
+        assert cached[1].runs is not None
+        return cached[1].runs
+
+    def _layers_of(self, header: ChunkHeader, in_place: bool = False) -> list[ChunkHeader]:
+        """A chunk's layers, one header each: the chunk itself, or each entry of a batch (pulled, or
+        received in place with region -1)."""
         if header.batch is None:
             return [header]
         batch = header.batch
-        if not header.pulled or not isinstance(batch, list) or not 0 < len(batch) <= self.layout.num_layers:
+        if (
+            header.pulled == in_place
+            or not isinstance(batch, list)
+            or not 0 < len(batch) <= self.layout.num_layers
+            or (in_place and any(isinstance(e, list) and len(e) == 4 and e[1] != -1 for e in batch))
+        ):
             self._refuse("malformed", f"a batch of {len(batch) if isinstance(batch, list) else '?'} layers")
         entries = []
         for entry in batch:
@@ -195,7 +318,7 @@ class KVReceiver:
             if header.checksum is not None and checksum(payload) != header.checksum:
                 self._checksum_failed(incoming, header)
             copy_blocks(dst, target, incoming.scatter)
-        self._landed(incoming, header, key, header.nbytes if header.pulled else len(payload))
+        self._landed(incoming, header, key, header.nbytes if header.pulled else len(payload), in_place=header.pulled)
 
     def _apply_pulled_batch(
         self, incoming: _Incoming, layers: list[ChunkHeader], regions: Mapping[int, torch.Tensor] | None
@@ -241,7 +364,7 @@ class KVReceiver:
             copy_blocks(dst, source, plan, dim=2)
             for i in range(start, end):
                 self._verify_pulled(incoming, layers[i], dst[i - start])
-                self._landed(incoming, layers[i], keys[i], layers[i].nbytes)
+                self._landed(incoming, layers[i], keys[i], layers[i].nbytes, in_place=True)
 
     def _verify_pulled(self, incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> None:
         if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
@@ -251,13 +374,17 @@ class KVReceiver:
         self._fail(incoming, f"checksum mismatch in layer {header.layer}")
         self._refuse("checksum", f"checksum mismatch in layer {header.layer}")
 
-    def _landed(self, incoming: _Incoming, header: ChunkHeader, key: tuple[int, int, int], nbytes: int) -> None:
+    def _landed(
+        self, incoming: _Incoming, header: ChunkHeader, key: tuple[int, int, int], nbytes: int, in_place: bool
+    ) -> None:
         now = time.monotonic()
         stats = incoming.stats
         assert stats is not None
         if stats.start_time is None:
             stats.start_time = now
         stats.num_bytes += nbytes
+        if in_place:
+            stats.in_place_bytes += nbytes
         incoming.landed.add(key)
         incoming.layers_landed[header.layer] += 1
         if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
@@ -405,6 +532,14 @@ def _stacked_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
         ):
             return None
     return torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _crc(parts: list[torch.Tensor]) -> int:
+    """CRC-32 of byte tensors taken one after another, as one payload."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(memoryview(part.cpu().numpy()), crc)
+    return crc
 
 
 def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:

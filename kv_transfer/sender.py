@@ -16,13 +16,14 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from common.kv_layout import KVCacheLayout
-from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, gather_plan
-from kv_transfer.protocol import ChunkHeader, checksum, encode_header
+from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, gather_plan, plan_block_copy
+from kv_transfer.protocol import MAX_DIRECT_PIECES, MAX_DIRECT_RUNS, ChunkHeader, checksum, encode_header
 from kv_transfer.resharding import segments_from
 from kv_transfer.state import TransferState, TransferStats
 from kv_transfer.ticket import KVTicket
@@ -40,6 +41,7 @@ class _Outgoing:
     ticket: KVTicket
     src_block_ids: list[int]
     gather: BlockCopyPlan
+    direct: BlockCopyPlan  # source blocks into the reserved ones: its runs split a payload sent in place
     state: TransferState = TransferState.PENDING
     reason: str | None = None
     stats: TransferStats | None = None
@@ -97,6 +99,7 @@ class KVSender:
                 ticket=ticket,
                 src_block_ids=block_ids,
                 gather=gather_plan(block_ids),
+                direct=plan_block_copy(block_ids, list(ticket.block_ids[: len(block_ids)])),
                 stats=TransferStats(ticket.request_id, self.transport.name),
                 receivers={seg.receiver_rank for seg in segments},
             )
@@ -227,7 +230,8 @@ class KVSender:
                 self._send_pulled(out, layers, seg, channel, sources)
             else:
                 copied.append((seg, channel))
-        for layer, kv_layer in layers:
+        done = self._send_in_place(out, layers, *copied[0]) if len(copied) == len(segments) == 1 else 0
+        for layer, kv_layer in layers[done:]:
             blocks: torch.Tensor | None = None  # this layer's blocks gathered, once, if some segment needs them
             for seg, channel in copied:
                 if len(segments) == 1 and self._send_whole_layer_staged(out, layer, kv_layer, seg, channel):
@@ -275,6 +279,7 @@ class KVSender:
             channel.send(encoded, b"", self._time_left(ticket))
         assert out.stats is not None
         out.stats.num_bytes += nbytes * len(entries)
+        out.stats.in_place_bytes += nbytes * len(entries)
 
     @staticmethod
     def _layer_sent(out: _Outgoing) -> None:
@@ -282,6 +287,50 @@ class KVSender:
         assert out.stats is not None
         if out.stats.first_layer_time is None:
             out.stats.first_layer_time = time.monotonic()
+
+    def _send_in_place(self, out: _Outgoing, layers: list[tuple[int, torch.Tensor]], seg, channel) -> int:
+        """Send layers from the cache itself, a piece per run of consecutive blocks, for the receiver
+        to take into its reserved blocks: no copy on either side, and layers queued together in one
+        chunk. Only when both sides hold the same heads (equal TP degrees) and the blocks form few
+        runs. Returns how many of ``layers`` went (the rest are for the copying path)."""
+        ticket = out.ticket
+        runs = out.direct.runs
+        if (
+            not channel.sends_in_place
+            or ticket.layout.tp_size != self.layout.tp_size
+            or runs is None
+            or len(runs) > MAX_DIRECT_RUNS
+            or not all(kv.is_contiguous() for _, kv in layers)
+        ):
+            return 0
+        per_chunk = max(1, MAX_DIRECT_PIECES // (2 * len(runs)))
+        for start in range(0, len(layers), per_chunk):
+            group = layers[start : start + per_chunk]
+            pieces, entries = [], []
+            for layer, kv in group:
+                mine = [kv[part].narrow(0, src, length) for part in (0, 1) for src, _, length in runs]
+                crc = None
+                if self.with_checksums:  # over the bytes in payload order, as the receiver checks them
+                    crc = 0
+                    for piece in mine:
+                        crc = zlib.crc32(_payload(piece.cpu()), crc)
+                pieces += mine
+                entries.append([layer, -1, 0, crc])
+            layer_bytes = sum(piece.numel() for piece in mine) * group[0][1].element_size()
+            header = replace(
+                self._layer_header(ticket, group[0][0], seg, layer_bytes, None),
+                checksum=entries[0][3],
+                src_block_ids=out.src_block_ids,
+                batch=entries if len(entries) > 1 else None,
+            )
+            if not channel.send_pieces(encode_header(header, ticket.secret), pieces, self._time_left(ticket)):
+                return start  # declined: this receiver takes copies only
+            assert out.stats is not None
+            out.stats.num_bytes += layer_bytes * len(group)
+            out.stats.in_place_bytes += layer_bytes * len(group)
+            for _ in group:
+                self._layer_sent(out)
+        return len(layers)
 
     def _send_whole_layer_staged(self, out: _Outgoing, layer: int, kv_layer: torch.Tensor, seg, channel) -> bool:
         """Gather the blocks straight into the transport's staging memory (one copy fewer), when

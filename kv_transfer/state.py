@@ -24,6 +24,7 @@ class TransferStats:
     request_id: str
     backend: str
     num_bytes: int = 0
+    in_place_bytes: int = 0  # of num_bytes, those moved cache to cache with no buffer between (in place, pulled)
     num_layers: int = 0
     start_time: float | None = None  # first chunk sent / received (time.monotonic)
     first_layer_time: float | None = None

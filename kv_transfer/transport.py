@@ -23,6 +23,8 @@ class TransferRefused(Exception):
 class KVChannel(ABC):
     """A sender's connection to one receiver endpoint. Used by one sender thread at a time."""
 
+    sends_in_place = False  # whether ``send_pieces`` may take a chunk (checked before preparing one)
+
     @abstractmethod
     def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float) -> None:
         """Deliver one chunk and wait for the receiver's verdict. May block up to ``timeout_s``.
@@ -47,6 +49,12 @@ class KVChannel(ABC):
         ``wait``, every outstanding verdict first, each waited for at most until its own chunk's
         deadline (or ``timeout_s``). A broken connection fails every outstanding tag."""
         return []
+
+    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float) -> bool:
+        """Optional zero-copy path: like ``send``, with the payload sent as these contiguous tensors
+        (views of the sender's cache) one after another, for the receiver to take in place
+        (``KVReceiver.begin_direct``). False if unsupported, or not for tensors on this device."""
+        return False
 
     def staging(self, nbytes: int) -> torch.Tensor | None:
         """Optional zero-copy path: a writable uint8 CPU tensor in the transport's own memory. A sender

@@ -438,8 +438,8 @@ def test_a_batch_lets_go_of_the_lock_between_groups_and_stops_if_its_request_end
     receiver._lock = lock = CountingLock()
     holds, landed = [], receiver._landed
 
-    def landed_then_check(incoming, layer_header, key, nbytes):
-        landed(incoming, layer_header, key, nbytes)
+    def landed_then_check(incoming, layer_header, key, nbytes, **how):
+        landed(incoming, layer_header, key, nbytes, **how)
         holds.append((layer_header.layer, lock.lock.locked(), lock.acquired))
         if layer_header.layer == 1:  # meanwhile, elsewhere, the request fails (say, its lease ran out)
             receiver._fail(incoming, "ended elsewhere")

@@ -1,0 +1,311 @@
+"""Chunks sent in place over the torch backend: from the sender's cache straight into the
+receiver's reserved blocks (no copy on either side), falling back to copies where that cannot
+work, and never writing into blocks after the receiver released them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+
+import msgpack
+import pytest
+import torch
+
+from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
+from kv_transfer.backends import torch_dist
+from kv_transfer.backends.torch_dist import TorchDistTransport
+from kv_transfer.protocol import encode_header
+from kv_transfer.receiver import NotInPlace
+from kv_transfer.transport import TransferRefused
+from tests.kv_transfer.harness import assert_bit_exact, layer_chunk_header, make_side, transfer, wait_terminal
+
+SRC_BLOCKS = [7, 8, 9, 10]
+DST_BLOCKS = [1, 2, 3, 4]  # one run against SRC_BLOCKS: K and V in one piece each
+
+
+@pytest.fixture
+def transport():
+    t = TorchDistTransport()
+    yield t
+    t.shutdown()
+
+
+def _done(receivers, senders):
+    states = wait_terminal(
+        [lambda r=r: r.poll("req-1") for r in receivers] + [lambda s=s: s.poll("req-1") for s in senders]
+    )
+    assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
+
+
+@pytest.mark.parametrize(
+    ("dst_blocks", "dtype"),
+    [
+        (list(range(20, 24)), "float32"),  # one run
+        (list(range(20, 24)), "bfloat16"),
+        ([23, 22, 21, 20], "float32"),  # four runs of one block: eight pieces, K runs before V runs
+        ([20, 21, 30, 31], "bfloat16"),  # two runs
+    ],
+)
+def test_equal_tp_moves_every_byte_in_place_bit_exact(transport, dst_blocks, dtype):
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, dst_blocks=dst_blocks, dtype=dtype)
+    _done(receivers, senders)
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    untouched = [b for b in range(dst.layouts[0].num_blocks) if b not in ticket.block_ids[: ticket.num_blocks]]
+    assert all(torch.count_nonzero(layer[:, untouched]) == 0 for layer in dst.caches[0])
+    for stats in (senders[0].stats("req-1"), receivers[0].stats("req-1")):
+        assert stats.num_bytes > 0 and stats.in_place_bytes == stats.num_bytes, stats
+    senders[0].close()
+
+
+def test_equal_tp_above_one_goes_in_place_per_shard(transport):
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 2, 2, total_kv_heads=4)
+    _done(receivers, senders)
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert all(r.stats("req-1").in_place_bytes == r.stats("req-1").num_bytes > 0 for r in receivers)
+    for s in senders:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    ("sender_tp", "receiver_tp", "dst_blocks", "num_tokens"),
+    [
+        (3, 1, None, 13),  # resharding: heads are sliced out, so each side copies
+        (1, 3, None, 13),
+        (1, 1, list(range(40, 20, -2)), 40),  # ten runs of one block: too fragmented for pieces
+    ],
+)
+def test_resharding_and_fragmented_blocks_fall_back_to_copies(
+    transport, sender_tp, receiver_tp, dst_blocks, num_tokens
+):
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transport, sender_tp, receiver_tp, total_kv_heads=3, dst_blocks=dst_blocks, num_tokens=num_tokens, num_blocks=48
+    )
+    _done(receivers, senders)
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert all(r.stats("req-1").in_place_bytes == 0 < r.stats("req-1").num_bytes for r in receivers)
+    for s in senders:
+        s.close()
+
+
+def test_receiver_that_cannot_take_pieces_declines_and_the_sender_copies(transport):
+    src, full = make_side(1, fill=True)
+    dst, _ = make_side(1, fill=False, total_kv_heads=4)
+    # Every other head of a wider cache: a valid cache for the layout, but not contiguous.
+    layers = [layer[:, :, :, ::2] for layer in dst.caches[0]]
+    layout = src.layouts[0]
+    receiver = KVReceiver(layers, layout, "torch")
+    ticket = make_ticket("req-1", "torch", [transport.serve(receiver)], layout, "m", DST_BLOCKS, 13, 30)
+    receiver.expect(ticket)
+    sender = KVSender(layout, "m", transport)
+    sender.start(ticket, SRC_BLOCKS)
+    for i, kv in enumerate(src.caches[0]):
+        sender.send_layer("req-1", i, kv)
+    sender.finish("req-1", 0)
+    _done([receiver], [sender])
+    for i, layer in enumerate(layers):
+        assert torch.equal(layer[:, DST_BLOCKS], full[i][:, SRC_BLOCKS])
+    assert receiver.refusals["not_in_place"] == 1  # declined once; the channel then sent copies
+    assert receiver.stats("req-1").in_place_bytes == 0
+    sender.close()
+
+
+# --- the receiver's side of a chunk taken in place ------------------------------------------
+
+
+def _receiver(lease_s: float = 30.0):
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "torch")
+    ticket = make_ticket("req-1", "torch", ["torch://127.0.0.1:1"], dst.layouts[0], "m", DST_BLOCKS, 13, lease_s)
+    receiver.expect(ticket)
+    return receiver, ticket, dst
+
+
+def _in_place_header(ticket, layout, **fields):
+    nbytes = 2 * ticket.num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * 4
+    base = dict(num_heads=layout.num_kv_heads, num_blocks=ticket.num_blocks, nbytes=nbytes, src_block_ids=SRC_BLOCKS)
+    header = layer_chunk_header(**{**base, **fields})
+    return header, nbytes
+
+
+def test_release_waits_for_a_payload_in_flight():
+    receiver, ticket, dst = _receiver()
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    write = receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+    assert [t.numel() for t in write.targets] == [nbytes // 2] * 2
+    released = threading.Event()
+    thread = threading.Thread(target=lambda: (receiver.release("req-1"), released.set()))
+    thread.start()
+    assert not released.wait(0.3)  # the blocks may still be written: release() must not hand them back
+    for target in write.targets:
+        target.fill_(7)
+    with pytest.raises(TransferRefused, match="released"):
+        receiver.end_direct(write, received=True)
+    assert released.wait(5)
+    thread.join()
+
+
+def test_a_payload_cut_short_fails_the_request():
+    receiver, ticket, dst = _receiver()
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    write = receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+    with pytest.raises(TransferRefused, match="not received"):
+        receiver.end_direct(write, received=False, reason="connection closed")
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and "payload not received: connection closed" in status.reason
+    start = time.monotonic()
+    receiver.release("req-1")
+    assert time.monotonic() - start < 1
+
+
+def test_checksum_covers_the_pieces_in_payload_order():
+    receiver, ticket, dst = _receiver()
+    layout = dst.layouts[0]
+    header, nbytes = _in_place_header(ticket, layout)
+    payload = torch.randn(nbytes // 4)
+    header, _ = _in_place_header(ticket, layout, checksum=zlib.crc32(payload.numpy().tobytes()))
+    write = receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+    write.targets[1].copy_(payload.view(torch.uint8)[nbytes // 2 :])  # V first: order must not matter
+    write.targets[0].copy_(payload.view(torch.uint8)[: nbytes // 2])
+    receiver.end_direct(write, received=True)
+    assert torch.equal(dst.caches[0][0][:, DST_BLOCKS].reshape(-1), payload)
+
+    header, _ = _in_place_header(ticket, layout, layer=1, checksum=12345)
+    write = receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+    with pytest.raises(TransferRefused, match="checksum"):
+        receiver.end_direct(write, received=True)
+    assert receiver.poll("req-1").state is TransferState.FAILED
+    assert receiver.refusals["checksum"] == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "pieces", "match"),
+    [
+        ({"num_heads": 1}, 2, "1 heads, not the planned"),
+        ({"dst_head_offset": 1}, 2, "not part of the transfer plan"),
+        ({"sender_tp": 2, "num_heads": 1}, 2, "every head"),
+        ({"nbytes": 64}, 2, "bytes, expected"),
+        ({}, 3, "3 pieces, expected 2"),
+        ({"batch": [[0, -1, 0, None], [1, -1, 0, None]]}, 2, "bytes, expected"),  # two layers' worth
+        ({"batch": [[0, -1, 0, None], [0, -1, 0, None]]}, 2, "named twice"),
+        ({"batch": [[0, 3, 0, None], [1, -1, 0, None]]}, 2, "a batch of 2 layers"),  # a pulled entry
+        ({"batch": [[0, -1, 0, None], [9, -1, 0, None]]}, 2, "not part of the transfer plan"),
+        ({"src_block_ids": [7, 8, 9]}, 2, "3 source blocks for 4"),
+        ({"src_block_ids": [7, 9, 11, 13]}, 2, None),  # four runs: eight pieces expected, not two
+        ({"layer": 5}, 2, "not part of the transfer plan"),
+        ({"kind": "done"}, 2, "names its layers"),
+        ({"src_region": 0}, 2, "names its layers"),
+    ],
+)
+def test_malformed_in_place_chunks_reserve_nothing(fields, pieces, match):
+    receiver, ticket, dst = _receiver()
+    header, nbytes = _in_place_header(ticket, dst.layouts[0], **fields)
+    with pytest.raises(TransferRefused, match=match or "pieces, expected"):
+        receiver.begin_direct(encode_header(header, ticket.secret), nbytes, pieces)
+    assert receiver.poll("req-1").state is TransferState.PENDING  # refused, not failed
+    start = time.monotonic()
+    receiver.release("req-1")  # nothing reserved: returns at once
+    assert time.monotonic() - start < 1
+
+
+def test_wrong_secret_and_duplicates_are_refused_before_any_write():
+    receiver, ticket, dst = _receiver()
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    with pytest.raises(TransferRefused, match="signature"):
+        receiver.begin_direct(encode_header(header, b"not the secret"), nbytes, 2)
+    write = receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+    with pytest.raises(TransferRefused, match="already being received"):
+        receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+    receiver.end_direct(write, received=True)
+    with pytest.raises(TransferRefused, match="already landed"):
+        receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+
+
+def test_one_chunk_carries_several_layers_each_checked_on_its_own():
+    receiver, ticket, dst = _receiver()
+    layout = dst.layouts[0]
+    _, layer_bytes = _in_place_header(ticket, layout)
+    payloads = [torch.randn(layer_bytes // 4) for _ in range(3)]
+    crcs = [zlib.crc32(p.numpy().tobytes()) for p in payloads]
+    crcs[2] ^= 1  # layer 2 arrives corrupted
+    header, _ = _in_place_header(ticket, layout, checksum=crcs[0], batch=[[i, -1, 0, crcs[i]] for i in range(3)])
+    write = receiver.begin_direct(encode_header(header, ticket.secret), 3 * layer_bytes, 6)
+    assert [h.layer for h in write.layers] == [0, 1, 2] and len(write.targets) == 6
+    for i, payload in enumerate(payloads):
+        write.targets[2 * i].copy_(payload.view(torch.uint8)[: layer_bytes // 2])
+        write.targets[2 * i + 1].copy_(payload.view(torch.uint8)[layer_bytes // 2 :])
+    with pytest.raises(TransferRefused, match="checksum mismatch in layer 2"):
+        receiver.end_direct(write, received=True)
+    for i in (0, 1):  # landed, each checked against its own checksum
+        assert torch.equal(dst.caches[0][i][:, DST_BLOCKS].reshape(-1), payloads[i])
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and status.layers_complete == 2
+
+
+def test_layers_queued_behind_a_busy_sender_leave_in_one_chunk(transport, monkeypatch):
+    gate, chunks = threading.Event(), []
+    connect = transport.connect
+
+    def gated_connect(endpoint):
+        channel = connect(endpoint)
+        send_pieces = channel.send_pieces
+
+        def recording_send_pieces(header, pieces, timeout_s):
+            gate.wait(10)  # the sender is busy while the forward pass queues more layers
+            chunks.append((msgpack.unpackb(msgpack.unpackb(header)["body"]), len(pieces)))
+            return send_pieces(header, pieces, timeout_s)
+
+        channel.send_pieces = recording_send_pieces
+        return channel
+
+    monkeypatch.setattr(transport, "connect", gated_connect)
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, num_layers=6)
+    gate.set()
+    assert wait_terminal([lambda: senders[0].poll("req-1")])[0].state is TransferState.DONE
+    layers = [entry[0] for chunk, _ in chunks for entry in (chunk["batch"] or [[chunk["layer"]]])]
+    assert sorted(layers) == list(range(6)) and len(chunks) <= 2  # 6 layers, at most 2 chunks
+    runs = 4  # transfer()'s reversed destination blocks: one run per block
+    assert sum(n for _, n in chunks) == 6 * 2 * runs
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert receivers[0].stats("req-1").in_place_bytes == receivers[0].stats("req-1").num_bytes
+    senders[0].close()
+
+
+def test_a_non_contiguous_cache_declines_rather_than_refuses():
+    dst, _ = make_side(1, fill=False, total_kv_heads=4)
+    layout = make_side(1, fill=False)[0].layouts[0]
+    receiver = KVReceiver([layer[:, :, :, ::2] for layer in dst.caches[0]], layout, "torch")
+    ticket = make_ticket("req-1", "torch", ["torch://127.0.0.1:1"], layout, "m", DST_BLOCKS, 13, 30)
+    receiver.expect(ticket)
+    header, nbytes = _in_place_header(ticket, layout)
+    with pytest.raises(NotInPlace):
+        receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)
+
+
+# --- over a real pair ---------------------------------------------------------------------
+
+
+def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks(transport):
+    """Pieces stop arriving: the receiver's wait ends at the chunk's deadline, the pair closes, the
+    request fails with the reason and release() returns at once (no write can follow)."""
+    receiver, ticket, dst = _receiver()
+    layout = dst.layouts[0]
+    endpoint = transport.serve(receiver)
+    header, nbytes = _in_place_header(ticket, layout)
+    channel = transport.connect(endpoint)
+    with channel._lock:
+        deadline = channel._ready(b"x", 10.0)
+        pair = channel._pair
+        view = memoryview(channel._head.numpy())
+        raw = encode_header(header, ticket.secret)
+        torch_dist._HEAD.pack_into(view, 0, len(raw), nbytes, 1000, 0, 2)
+        view[torch_dist._HEAD.size : torch_dist._HEAD.size + len(raw)] = raw
+        pair.send(channel._head, deadline, "head")
+        assert torch_dist._recv_verdict(pair, channel._verdict, deadline) == (torch_dist._OK, "")  # go
+        pair.send(torch.full((nbytes // 2,), 9, dtype=torch.uint8), deadline, "K only")  # V never comes
+    (status,) = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=10)
+    assert status.state is TransferState.FAILED and "payload not received" in status.reason
+    start = time.monotonic()
+    receiver.release("req-1")
+    assert time.monotonic() - start < 1
+    channel.close()
