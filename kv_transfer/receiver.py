@@ -14,6 +14,7 @@ Chunks land one of three ways:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -33,10 +34,13 @@ from kv_transfer.state import TransferState, TransferStats
 from kv_transfer.ticket import KVTicket, TicketError
 from kv_transfer.transport import TransferRefused
 
+logger = logging.getLogger(__name__)
+
 # Payloads arrive as read-only bytes; they are only read (copied into the cache), never written.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _MAX_LOCKED_COPY_BYTES = 16 << 20  # a pulled batch copies at most this much per hold of the receiver's lock
+_WRITE_GRACE_S = 5.0  # past the lease, how long release() still waits for a payload in flight
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -131,13 +135,18 @@ class KVReceiver:
         """Forget a ticket (its blocks are the engine's to free); later chunks for it are refused.
 
         Returns only once no transport is still receiving into the ticket's blocks: a payload in
-        flight ends within its chunk's deadline (gloo closes a pair whose receive timed out, and a
-        closed pair writes nothing more), so this waits at most that long, and only in a transfer
-        ended mid-payload."""
+        flight ends within its chunk's deadline, at the latest the lease (gloo closes a pair whose
+        receive timed out, and a closed pair writes nothing more), so this waits at most that long,
+        and only in a transfer ended mid-payload."""
         with self._lock:
             incoming = self._incoming.pop(request_id, None)
-            while incoming is not None and incoming.writing:
-                self._writes_ended.wait()
+            if incoming is None:
+                return
+            give_up = time.monotonic() + max(0.0, incoming.ticket.lease_deadline - time.time()) + _WRITE_GRACE_S
+            while incoming.writing and self._writes_ended.wait(max(0.0, give_up - time.monotonic())):
+                pass
+            if incoming.writing:  # a transport that never ended its write: a bug, reported, not a hang
+                logger.error("releasing %s with a payload still in flight past its lease", request_id)
 
     # --- the transport's side --------------------------------------------------------------
     def apply(
@@ -177,8 +186,8 @@ class KVReceiver:
             self._learn_senders(incoming, header)
             layers = self._layers_of(header, in_place=True)
             keys = [self._check_chunk(incoming, layer) for layer in layers]
-            if len(set(keys)) != len(keys) or incoming.writing.intersection(keys):
-                self._refuse("duplicate", f"chunks {keys} named twice or already being received")
+            if len(set(keys)) != len(keys):
+                self._refuse("duplicate", f"a chunk names one layer twice: {keys}")
             layout = self.layout
             layer_bytes = (
                 2 * incoming.ticket.num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
@@ -297,6 +306,8 @@ class KVReceiver:
             self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
         if key in incoming.landed:
             self._refuse("duplicate", f"chunk {key} already landed")
+        if key in incoming.writing:
+            self._refuse("duplicate", f"chunk {key} is already being received")
         if header.num_heads != incoming.segment_heads[(header.sender_rank, header.dst_head_offset)]:
             self._refuse("shape", f"chunk {key} carries {header.num_heads} heads, not the planned number")
         return key

@@ -145,6 +145,19 @@ def test_release_waits_for_a_payload_in_flight():
     thread.join()
 
 
+def test_release_never_hangs_on_a_write_nobody_ends(monkeypatch, caplog):
+    import kv_transfer.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "_WRITE_GRACE_S", 0.1)
+    receiver, ticket, dst = _receiver(lease_s=0.3)
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 2)  # and never end_direct: a bug
+    start = time.monotonic()
+    receiver.release("req-1")
+    assert 0.2 < time.monotonic() - start < 3  # the lease, plus the grace
+    assert "still in flight" in caplog.text
+
+
 def test_a_payload_cut_short_fails_the_request():
     receiver, ticket, dst = _receiver()
     header, nbytes = _in_place_header(ticket, dst.layouts[0])
@@ -187,7 +200,7 @@ def test_checksum_covers_the_pieces_in_payload_order():
         ({"nbytes": 64}, 2, "bytes, expected"),
         ({}, 3, "3 pieces, expected 2"),
         ({"batch": [[0, -1, 0, None], [1, -1, 0, None]]}, 2, "bytes, expected"),  # two layers' worth
-        ({"batch": [[0, -1, 0, None], [0, -1, 0, None]]}, 2, "named twice"),
+        ({"batch": [[0, -1, 0, None], [0, -1, 0, None]]}, 2, "names one layer twice"),
         ({"batch": [[0, 3, 0, None], [1, -1, 0, None]]}, 2, "a batch of 2 layers"),  # a pulled entry
         ({"batch": [[0, -1, 0, None], [9, -1, 0, None]]}, 2, "not part of the transfer plan"),
         ({"src_block_ids": [7, 8, 9]}, 2, "3 source blocks for 4"),
