@@ -85,3 +85,21 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor, plan: BlockCopyPlan, dim: 
         dst.index_copy_(dim, dst_index, src)
     else:
         dst.index_copy_(dim, dst_index, src.index_select(dim, src_index))
+
+
+def stacked_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
+    """The layers as one [layers, ...] view when they lie back to back in one allocation (as
+    engine.kv_cache_memory allocates them), else None."""
+    first = layers[0]
+    step = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    for i, layer in enumerate(layers):
+        if (
+            not layer.is_contiguous()
+            or layer.shape != first.shape
+            or layer.dtype != first.dtype
+            or layer.untyped_storage().data_ptr() != storage
+            or layer.storage_offset() != first.storage_offset() + i * step
+        ):
+            return None
+    return torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()), first.storage_offset())

@@ -52,6 +52,9 @@ class ChunkHeader:
     src_heads: int = 0
     src_head_offset: int = 0
     src_block_ids: list[int] | None = None
+    # A chunk received in place: its blocks (in ticket order) split into runs of these lengths,
+    # each run consecutive on both sides; the payload is K then V of each run, run by run.
+    run_lengths: list[int] | None = None
     # A pulled chunk may name several layers (those queued at the sender): [layer, src_region,
     # src_offset, checksum] each, in place of the single layer above.
     batch: list[list[int | None]] | None = None

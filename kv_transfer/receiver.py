@@ -27,7 +27,7 @@ from typing import NoReturn
 import torch
 
 from common.kv_layout import KVCacheLayout
-from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, plan_block_copy, scatter_plan
+from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, plan_block_copy, scatter_plan, stacked_layers
 from kv_transfer.protocol import MAX_DIRECT_RUNS, ChunkHeader, ProtocolError, checksum, decode_header, peek_request_id
 from kv_transfer.resharding import plan_transfer, senders_for, shard_heads
 from kv_transfer.state import TransferState, TransferStats
@@ -65,7 +65,7 @@ class _Incoming:
     # (checked header fields, sender's block ids, their copy plan): what pulled layers share
     pull_plan: tuple[tuple[int, ...], list[int], BlockCopyPlan] | None = None
     writing: set[tuple[int, int, int]] = field(default_factory=set)  # chunks a transport is receiving in place
-    direct_plan: tuple[list[int], BlockCopyPlan] | None = None  # (sender's block ids, their runs)
+    direct_plan: tuple[list[int], list[tuple[int, int]]] | None = None  # run lengths; (first block, length) each
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class KVReceiver:
     def __init__(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, backend: str = "") -> None:
         assert len(kv_caches) == layout.num_layers, "one KV tensor per layer"
         self.kv_caches = kv_caches
-        self._stacked = _stacked_layers(kv_caches)  # [layers, ...] when they share one allocation
+        self._stacked = stacked_layers(kv_caches)  # [layers, ...] when they share one allocation
         self.layout = layout
         self.backend = backend
         self._lock = threading.Lock()
@@ -165,8 +165,10 @@ class KVReceiver:
             if header.kind == "done":
                 self._on_done(incoming, header)
                 return
-            layers = self._layers_of(header)
-            if len(layers) > 1 and self._stacked is not None:
+            layers = self._layers_of(header, payload_batch=not header.pulled)
+            if len(layers) > 1 and not header.pulled:
+                self._apply_payload_batch(incoming, layers, payload)
+            elif len(layers) > 1 and self._stacked is not None:
                 self._apply_pulled_batch(incoming, layers, regions)
             else:
                 for layer_header in layers:
@@ -181,10 +183,10 @@ class KVReceiver:
         ``end_direct`` exactly once afterwards, whatever happens to the payload."""
         with self._lock:
             incoming, header = self._authenticate(raw_header)
-            if header.kind != "layer" or header.pulled or header.src_block_ids is None:
-                self._refuse("malformed", "a chunk received in place names its layers and source blocks")
+            if header.kind != "layer" or header.pulled or header.run_lengths is None:
+                self._refuse("malformed", "a chunk received in place names its layers and block runs")
             self._learn_senders(incoming, header)
-            layers = self._layers_of(header, in_place=True)
+            layers = self._layers_of(header, payload_batch=True)
             keys = [self._check_chunk(incoming, layer) for layer in layers]
             if len(set(keys)) != len(keys):
                 self._refuse("duplicate", f"a chunk names one layer twice: {keys}")
@@ -200,7 +202,7 @@ class KVReceiver:
                 or nbytes != layer_bytes * len(layers)
             ):
                 self._refuse("shape", f"layer {header.layer}: {nbytes} bytes, expected {layer_bytes * len(layers)}")
-            runs = self._direct_runs(incoming, header.src_block_ids)
+            runs = self._direct_runs(incoming, header.run_lengths)
             if len(layers) * 2 * len(runs) != num_pieces:
                 self._refuse("shape", f"{num_pieces} pieces, expected {len(layers) * 2 * len(runs)}")
             targets = []
@@ -209,9 +211,7 @@ class KVReceiver:
                 if not kv.is_contiguous():
                     self.refusals["not_in_place"] += 1
                     raise NotInPlace(f"layer {layer.layer} of this cache is not contiguous")
-                targets += [
-                    kv[part].narrow(0, dst, n).view(-1).view(torch.uint8) for part in (0, 1) for _, dst, n in runs
-                ]
+                targets += [kv[part].narrow(0, dst, n).view(-1).view(torch.uint8) for part in (0, 1) for dst, n in runs]
             incoming.writing.update(keys)
             return DirectWrite(incoming.ticket.request_id, layers, keys, targets, incoming)
 
@@ -260,30 +260,40 @@ class KVReceiver:
             self._refuse("wrong_shard", f"chunk for shard {header.receiver_rank} reached {self.layout.tp_rank}")
         return incoming, header
 
-    def _direct_runs(self, incoming: _Incoming, src_ids: list[int]) -> list[tuple[int, int, int]]:
-        """The runs of consecutive blocks on both sides, which split a payload received in place."""
+    def _direct_runs(self, incoming: _Incoming, run_lengths: list[int]) -> list[tuple[int, int]]:
+        """(first reserved block, length) of each run a payload received in place comes in: the
+        reserved blocks in order, cut where the sender said, each run consecutive here too."""
         cached = incoming.direct_plan
-        if cached is None or cached[0] != src_ids:
-            if len(src_ids) != incoming.ticket.num_blocks or not all(isinstance(b, int) for b in src_ids):
-                self._refuse("shape", f"{len(src_ids)} source blocks for {incoming.ticket.num_blocks} reserved")
-            plan = plan_block_copy(src_ids, list(incoming.ticket.block_ids[: len(src_ids)]))
-            if plan.runs is None or len(plan.runs) > MAX_DIRECT_RUNS:
-                self._refuse("shape", "blocks too fragmented to receive in place")
-            cached = incoming.direct_plan = (src_ids, plan)
-        assert cached[1].runs is not None
-        return cached[1].runs
+        if cached is None or cached[0] != run_lengths:
+            reserved = incoming.ticket.block_ids[: incoming.ticket.num_blocks]
+            if (
+                not isinstance(run_lengths, list)
+                or not 0 < len(run_lengths) <= MAX_DIRECT_RUNS
+                or not all(isinstance(n, int) and n > 0 for n in run_lengths)
+                or sum(run_lengths) != len(reserved)
+            ):
+                self._refuse("shape", f"runs {run_lengths!r} do not cover the {len(reserved)} reserved blocks")
+            runs, start = [], 0
+            for n in run_lengths:
+                first = reserved[start]
+                if list(reserved[start : start + n]) != list(range(first, first + n)):
+                    self._refuse("shape", f"run of {n} blocks from reserved block {first} is not consecutive here")
+                runs.append((first, n))
+                start += n
+            cached = incoming.direct_plan = (list(run_lengths), runs)
+        return cached[1]
 
-    def _layers_of(self, header: ChunkHeader, in_place: bool = False) -> list[ChunkHeader]:
+    def _layers_of(self, header: ChunkHeader, payload_batch: bool = False) -> list[ChunkHeader]:
         """A chunk's layers, one header each: the chunk itself, or each entry of a batch (pulled, or
-        received in place with region -1)."""
+        with ``payload_batch`` carried by the payload, region -1, layer after layer)."""
         if header.batch is None:
             return [header]
         batch = header.batch
         if (
-            header.pulled == in_place
+            header.pulled == payload_batch
             or not isinstance(batch, list)
             or not 0 < len(batch) <= self.layout.num_layers
-            or (in_place and any(isinstance(e, list) and len(e) == 4 and e[1] != -1 for e in batch))
+            or (payload_batch and any(isinstance(e, list) and len(e) == 4 and e[1] != -1 for e in batch))
         ):
             self._refuse("malformed", f"a batch of {len(batch) if isinstance(batch, list) else '?'} layers")
         entries = []
@@ -330,6 +340,33 @@ class KVReceiver:
                 self._checksum_failed(incoming, header)
             copy_blocks(dst, target, incoming.scatter)
         self._landed(incoming, header, key, header.nbytes if header.pulled else len(payload), in_place=header.pulled)
+
+    def _apply_payload_batch(self, incoming: _Incoming, layers: list[ChunkHeader], payload) -> None:
+        """Several layers carried one after another in the payload (the sender bounds it to 16 MB,
+        so it is copied under one hold of the lock). Checked whole before anything is written."""
+        keys = [self._check_chunk(incoming, header) for header in layers]
+        if len(set(keys)) != len(keys):
+            self._refuse("duplicate", "a batch names one layer twice")
+        view = memoryview(payload).cast("B")
+        per_layer = len(view) // len(layers)
+        if per_layer * len(layers) != len(view):
+            self._refuse("shape", f"a payload of {len(view)} bytes for {len(layers)} layers")
+        first = self._target_view(incoming, layers[0], view[:per_layer])  # every layer has its shape
+        consecutive = all(header.layer == layers[0].layer + i for i, header in enumerate(layers))
+        if self._stacked is None or not consecutive:
+            for i, header in enumerate(layers):
+                self._apply_layer(incoming, header, view[i * per_layer : (i + 1) * per_layer], None)
+            return
+        # One copy per block run for all the layers (a per-layer copy costs ~100 us of Python).
+        for i, header in enumerate(layers):
+            if header.checksum is not None and checksum(view[i * per_layer : (i + 1) * per_layer]) != header.checksum:
+                self._checksum_failed(incoming, header)
+        source = torch.frombuffer(view, dtype=torch.uint8).view(first.dtype).view(len(layers), *first.shape)
+        heads = slice(layers[0].dst_head_offset, layers[0].dst_head_offset + layers[0].num_heads)
+        dst = self._stacked[layers[0].layer : layers[-1].layer + 1, :, :, :, heads]
+        copy_blocks(dst, source.to(dst.device), incoming.scatter, dim=2)
+        for header, key in zip(layers, keys, strict=True):
+            self._landed(incoming, header, key, per_layer, in_place=False)
 
     def _apply_pulled_batch(
         self, incoming: _Incoming, layers: list[ChunkHeader], regions: Mapping[int, torch.Tensor] | None
@@ -525,24 +562,6 @@ class KVReceiver:
     def _refuse(self, kind: str, message: str) -> NoReturn:
         self.refusals[kind] += 1
         raise TransferRefused(message)
-
-
-def _stacked_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
-    """The layers as one [layers, ...] view when they lie back to back in one allocation (as
-    engine.kv_cache_memory allocates them), else None."""
-    first = layers[0]
-    step = first.numel()
-    storage = first.untyped_storage().data_ptr()
-    for i, layer in enumerate(layers):
-        if (
-            not layer.is_contiguous()
-            or layer.shape != first.shape
-            or layer.dtype != first.dtype
-            or layer.untyped_storage().data_ptr() != storage
-            or layer.storage_offset() != first.storage_offset() + i * step
-        ):
-            return None
-    return torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def _crc(parts: list[torch.Tensor]) -> int:

@@ -12,13 +12,16 @@ first use, and replicas come and go without anyone knowing the set in advance.
                 payload                            ──▶ apply()             (layer chunks only)
                                                    ◀── verdict [status, reason]
     in place:   head [..., n pieces | header]      ──▶ begin_direct(): checked, targets reserved
-                                                   ◀── go | refused | declined (then sent as above)
-                piece 1 .. piece n                 ──▶ straight into the reserved blocks
+                piece 1 .. piece n  (posted at once)   ──▶ straight into the reserved blocks
                                                    ◀── verdict                 (end_direct())
 
 A chunk sent in place travels from the sender's cache into the receiver's blocks with no copy on
 either side, a piece per run of consecutive blocks (K runs, then V runs): measured here, a copy of
-a 32 MB layer on each side halves what the pair carries (1.4-1.9 against 3-4 GB/s).
+a 32 MB layer on each side halves what the pair carries (1.4-1.9 against 3-4 GB/s). It needs no
+"go": gloo moves a message only once its receive is posted, so pieces wait at the sender until the
+receiver has checked the header and posted receives into the reserved blocks. A receiver that
+refuses (or declines) such a chunk answers without posting them and both ends drop the pair, whose
+pending pieces die with it; the sender pairs afresh for its next chunk.
 
 Messages alternate direction on purpose: measured on loopback, each extra back-to-back send on
 one gloo pair costs ~1-2 ms, a ping-pong ~0.1 ms, unless the receiver has posted its receives
@@ -151,14 +154,17 @@ class _Pair:
         _io(lambda: group.recv([t], self.peer, _TAG), deadline, what)
 
     def send_all(self, parts: list[torch.Tensor], deadline: float, what: str) -> None:
-        self._all("send", parts, deadline, what)
+        self.wait_all(self.post_all("send", parts), deadline, what)
 
     def recv_all(self, parts: list[torch.Tensor], deadline: float, what: str) -> None:
-        self._all("recv", parts, deadline, what)
+        self.wait_all(self.post_all("recv", parts), deadline, what)
 
-    def _all(self, op: str, parts: list[torch.Tensor], deadline: float, what: str) -> None:
-        """Post every piece at once (messages of a pair keep their order), then wait for each."""
-        works = [getattr(self._group(t), op)([t], self.peer, _TAG) for t in parts]
+    def post_all(self, op: str, parts: list[torch.Tensor]) -> list[dist.Work]:
+        """Post every piece at once (messages of a pair keep their order)."""
+        return [getattr(self._group(t), op)([t], self.peer, _TAG) for t in parts]
+
+    @staticmethod
+    def wait_all(works: list[dist.Work], deadline: float, what: str) -> None:
         try:
             for work in works:
                 _io(lambda work=work: work, deadline, what)
@@ -320,8 +326,10 @@ class _Endpoint:
                 )
             header = bytes(head_view[_HEAD.size : _HEAD.size + header_len])
             if pieces:
-                status, reason = self._receive_in_place(pair, verdict, header, payload_len, pieces, deadline)
+                status, reason, posted = self._receive_in_place(pair, header, payload_len, pieces, deadline)
                 _send_verdict(pair, verdict, status, reason, deadline)
+                if not posted:
+                    return  # the sender's pieces wait on receives that never come: drop the pair
                 continue
             payload: memoryview | bytes = b""
             if payload_len:
@@ -347,20 +355,20 @@ class _Endpoint:
             _send_verdict(pair, verdict, status, reason, deadline)
 
     def _receive_in_place(
-        self, pair: _Pair, verdict: torch.Tensor, header: bytes, nbytes: int, pieces: int, deadline: float
-    ) -> tuple[int, str]:
-        """A chunk whose pieces go straight into the reserved blocks; returns the final verdict."""
+        self, pair: _Pair, header: bytes, nbytes: int, pieces: int, deadline: float
+    ) -> tuple[int, str, bool]:
+        """A chunk whose pieces go straight into the reserved blocks: (verdict status, reason,
+        whether its pieces were received — if not, they are still pending at the sender)."""
         try:
             write = self.receiver.begin_direct(header, nbytes, pieces)
         except NotInPlace as exc:
-            return _DECLINED, str(exc)
+            return _DECLINED, str(exc), False
         except TransferRefused as exc:
-            return _REFUSED, str(exc)
+            return _REFUSED, str(exc), False
         except Exception as exc:
             logger.exception("checking a KV chunk failed")
-            return _UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}"
+            return _UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", False
         try:
-            _send_verdict(pair, verdict, _OK, "", deadline)
             pair.recv_all(write.targets, deadline, "receiving a chunk payload")
         except BaseException as exc:
             # Closed first: a closed pair writes nothing more into the targets, which release()
@@ -369,7 +377,7 @@ class _Endpoint:
             with contextlib.suppress(TransferRefused):
                 self.receiver.end_direct(write, received=False, reason=str(exc))
             raise
-        return self._verdict_of(lambda: self.receiver.end_direct(write, received=True))
+        return *self._verdict_of(lambda: self.receiver.end_direct(write, received=True)), True
 
     def _apply(self, header: bytes, payload: memoryview | bytes) -> tuple[int, str]:
         return self._verdict_of(lambda: self.receiver.apply(header, payload))
@@ -458,6 +466,8 @@ class _TorchDistChannel(KVChannel):
             self._drop()
             raise
         self._last_used = time.monotonic()
+        if in_place and status != _OK:
+            self._drop()  # our pieces are still pending, and the receiver has dropped the pair
         if status == _DECLINED and in_place:
             logger.info("%s takes no chunks in place (%s): sending copies", self.endpoint, reason)
             self.sends_in_place = False
@@ -487,6 +497,15 @@ class _TorchDistChannel(KVChannel):
         _HEAD.pack_into(view, 0, len(header), nbytes, timeout_ms, on_device, len(parts) if in_place else 0)
         view[_HEAD.size : _HEAD.size + len(header)] = header
         pair.send(self._head, deadline, "sending a chunk")
+        if in_place:
+            works = pair.post_all("send", parts)  # they move once the receiver posts its receives
+            try:
+                status, reason = _recv_verdict(pair, self._verdict, deadline)
+                if status == _OK:
+                    pair.wait_all(works, deadline, "sending a chunk payload")
+            finally:
+                works.clear()
+            return status, reason
         if nbytes:
             status, reason = _recv_verdict(pair, self._verdict, deadline)
             if status != _OK:

@@ -12,13 +12,21 @@ import msgpack
 import pytest
 import torch
 
+import kv_transfer.sender as sender_module
 from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
 from kv_transfer.backends import torch_dist
 from kv_transfer.backends.torch_dist import TorchDistTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.receiver import NotInPlace
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import assert_bit_exact, layer_chunk_header, make_side, transfer, wait_terminal
+from tests.kv_transfer.harness import (
+    assert_bit_exact,
+    layer_chunk_header,
+    make_side,
+    transfer,
+    transport_named,
+    wait_terminal,
+)
 
 SRC_BLOCKS = [7, 8, 9, 10]
 DST_BLOCKS = [1, 2, 3, 4]  # one run against SRC_BLOCKS: K and V in one piece each
@@ -29,6 +37,13 @@ def transport():
     t = TorchDistTransport()
     yield t
     t.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _small_pieces_in_place(monkeypatch):
+    """These tests' layers are a few KB: send them in place anyway (by default, several layers of
+    small pieces are copied into one message instead; see the copied-batch tests below)."""
+    monkeypatch.setattr(sender_module, "_MIN_IN_PLACE_PIECE_BYTES", 0)
 
 
 def _done(receivers, senders):
@@ -123,7 +138,7 @@ def _receiver(lease_s: float = 30.0):
 
 def _in_place_header(ticket, layout, **fields):
     nbytes = 2 * ticket.num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim * 4
-    base = dict(num_heads=layout.num_kv_heads, num_blocks=ticket.num_blocks, nbytes=nbytes, src_block_ids=SRC_BLOCKS)
+    base = dict(num_heads=layout.num_kv_heads, num_blocks=ticket.num_blocks, nbytes=nbytes, run_lengths=[4])
     header = layer_chunk_header(**{**base, **fields})
     return header, nbytes
 
@@ -203,8 +218,11 @@ def test_checksum_covers_the_pieces_in_payload_order():
         ({"batch": [[0, -1, 0, None], [0, -1, 0, None]]}, 2, "names one layer twice"),
         ({"batch": [[0, 3, 0, None], [1, -1, 0, None]]}, 2, "a batch of 2 layers"),  # a pulled entry
         ({"batch": [[0, -1, 0, None], [9, -1, 0, None]]}, 2, "not part of the transfer plan"),
-        ({"src_block_ids": [7, 8, 9]}, 2, "3 source blocks for 4"),
-        ({"src_block_ids": [7, 9, 11, 13]}, 2, None),  # four runs: eight pieces expected, not two
+        ({"run_lengths": [3]}, 2, "do not cover the 4 reserved blocks"),
+        ({"run_lengths": [3, 3]}, 2, "do not cover the 4 reserved blocks"),
+        ({"run_lengths": [4, 0]}, 2, "do not cover the 4 reserved blocks"),
+        ({"run_lengths": [1] * 9}, 2, "do not cover"),  # more runs than a chunk may have
+        ({"run_lengths": [1, 1, 1, 1]}, 2, None),  # four runs: eight pieces expected, not two
         ({"layer": 5}, 2, "not part of the transfer plan"),
         ({"kind": "done"}, 2, "names its layers"),
         ({"src_region": 0}, 2, "names its layers"),
@@ -298,6 +316,22 @@ def test_a_non_contiguous_cache_declines_rather_than_refuses():
 # --- over a real pair ---------------------------------------------------------------------
 
 
+def test_a_refused_in_place_chunk_writes_nothing_and_the_channel_pairs_again(transport):
+    receiver, ticket, dst = _receiver()
+    endpoint = transport.serve(receiver)
+    src, _ = make_side(1, fill=True)
+    header, _ = _in_place_header(ticket, dst.layouts[0])
+    pieces = [src.caches[0][0][part].narrow(0, 7, 4) for part in (0, 1)]  # SRC_BLOCKS: one run
+    channel = transport.connect(endpoint)
+    with pytest.raises(TransferRefused, match="signature"):
+        channel.send_pieces(encode_header(header, b"not the secret"), pieces, 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert channel.send_pieces(encode_header(header, ticket.secret), pieces, 5)  # a fresh pair
+    assert torch.equal(dst.caches[0][0][:, DST_BLOCKS], src.caches[0][0][:, SRC_BLOCKS])
+    assert receiver.refusals["bad_signature"] == 1 and receiver.poll("req-1").state is TransferState.TRANSFERRING
+    channel.close()
+
+
 def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks(transport):
     """Pieces stop arriving: the receiver's wait ends at the chunk's deadline, the pair closes, the
     request fails with the reason and release() returns at once (no write can follow)."""
@@ -314,7 +348,6 @@ def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks(tran
         torch_dist._HEAD.pack_into(view, 0, len(raw), nbytes, 1000, 0, 2)
         view[torch_dist._HEAD.size : torch_dist._HEAD.size + len(raw)] = raw
         pair.send(channel._head, deadline, "head")
-        assert torch_dist._recv_verdict(pair, channel._verdict, deadline) == (torch_dist._OK, "")  # go
         pair.send(torch.full((nbytes // 2,), 9, dtype=torch.uint8), deadline, "K only")  # V never comes
     (status,) = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=10)
     assert status.state is TransferState.FAILED and "payload not received" in status.reason
@@ -322,3 +355,90 @@ def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks(tran
     receiver.release("req-1")
     assert time.monotonic() - start < 1
     channel.close()
+
+
+# --- several layers of small pieces: copied into one message instead ---------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "grpc", "shm"])
+def test_small_layers_queued_together_are_copied_into_one_message(backend, monkeypatch):
+    monkeypatch.setattr(sender_module, "_MIN_IN_PLACE_PIECE_BYTES", 1 << 30)
+    transport = transport_named(backend)
+    gate, chunks = threading.Event(), []
+    connect = transport.connect
+
+    def gated_connect(endpoint):
+        channel = connect(endpoint)
+        for name in ("send", "send_staged"):
+            original = getattr(channel, name, None)
+
+            def recording(header, payload, timeout_s, original=original):
+                gate.wait(10)  # the sender is busy while the forward pass queues more layers
+                chunks.append(msgpack.unpackb(msgpack.unpackb(header)["body"]))
+                return original(header, payload, timeout_s)
+
+            setattr(channel, name, recording)
+        return channel
+
+    monkeypatch.setattr(transport, "connect", gated_connect)
+    try:
+        receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, num_layers=6)
+        gate.set()
+        _done(receivers, senders)
+        layers = [
+            entry[0] for chunk in chunks if chunk["kind"] == "layer" for entry in chunk["batch"] or [[chunk["layer"]]]
+        ]
+        assert sorted(layers) == list(range(6)) and len(chunks) <= 3  # 6 layers in at most 2 messages, and "done"
+        assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+        assert receivers[0].stats("req-1").in_place_bytes == 0
+        senders[0].close()
+    finally:
+        transport.shutdown()
+
+
+def test_a_copied_batch_is_checked_whole_before_anything_is_written():
+    receiver, ticket, dst = _receiver()
+    layout = dst.layouts[0]
+    _, layer_bytes = _in_place_header(ticket, layout)
+    payload = torch.randn(2 * layer_bytes // 4)
+    two = [[0, -1, 0, None], [1, -1, 0, None]]
+    cases = [
+        (dict(batch=two), payload.numpy().tobytes()[:-4], "bytes"),  # short by one value
+        (dict(batch=[[0, -1, 0, None], [0, -1, 0, None]]), payload.numpy().tobytes(), "twice"),
+        (dict(batch=[[0, -1, 0, None], [7, -1, 0, None]]), payload.numpy().tobytes(), "not part of the transfer plan"),
+        (dict(batch=[[0, 3, 0, None], [1, -1, 0, None]]), payload.numpy().tobytes(), "a batch of 2 layers"),
+    ]
+    for fields, raw, match in cases:
+        header = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=layer_bytes, **fields)
+        with pytest.raises(TransferRefused, match=match):
+            receiver.apply(encode_header(header, ticket.secret), raw)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    header = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=layer_bytes, batch=two)
+    receiver.apply(encode_header(header, ticket.secret), payload.numpy().tobytes())
+    halves = payload.view(2, -1)
+    for layer in (0, 1):
+        assert torch.equal(dst.caches[0][layer][:, DST_BLOCKS].reshape(-1), halves[layer])
+    assert receiver.poll("req-1").layers_complete == 2
+
+
+@pytest.mark.parametrize("layers", [[0, 2], [1, 2]])
+@pytest.mark.parametrize("one_allocation", [True, False])
+def test_a_copied_batch_lands_layer_by_layer_or_stacked(layers, one_allocation):
+    dst, _ = make_side(1, fill=False)
+    caches = dst.caches[0] if one_allocation else [layer.clone() for layer in dst.caches[0]]
+    receiver = KVReceiver(caches, dst.layouts[0], "torch")
+    ticket = make_ticket("req-1", "torch", ["torch://127.0.0.1:1"], dst.layouts[0], "m", [4, 3, 9, 10], 13, 30)
+    receiver.expect(ticket)
+    layer_bytes = 2 * 4 * 4 * 2 * 8 * 4
+    payload = torch.randn(len(layers) * layer_bytes // 4)
+    entries = [
+        [layer, -1, 0, zlib.crc32(part.numpy().tobytes())]
+        for layer, part in zip(layers, payload.chunk(len(layers)), strict=True)
+    ]
+    header = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=layer_bytes, checksum=entries[0][3], batch=entries)
+    receiver.apply(encode_header(header, ticket.secret), payload.numpy().tobytes())
+    for layer, part in zip(layers, payload.chunk(len(layers)), strict=True):
+        assert torch.equal(caches[layer][:, [4, 3, 9, 10]].reshape(-1), part)
+    untouched = [layer for layer in range(3) if layer not in layers]
+    assert all(torch.count_nonzero(caches[layer]) == 0 for layer in untouched)
+    assert receiver.stats("req-1").num_bytes == len(layers) * layer_bytes
