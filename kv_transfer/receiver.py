@@ -174,13 +174,14 @@ class KVReceiver:
                 for layer_header in layers:
                     self._apply_layer(incoming, layer_header, payload, regions)
 
-    def begin_direct(self, raw_header: bytes, nbytes: int, num_pieces: int) -> DirectWrite:
+    def begin_direct(self, raw_header: bytes, nbytes: int, num_pieces: int | None) -> DirectWrite:
         """Check a chunk whose payload the transport will receive in place, and reserve its targets.
 
         Only a chunk carrying every head of this shard, for blocks whose runs are few, qualifies;
         anything else is refused (the sender then sends the payload to be copied). A chunk may carry
-        several layers (``header.batch``: those queued at the sender). The caller must call
-        ``end_direct`` exactly once afterwards, whatever happens to the payload."""
+        several layers (``header.batch``: those queued at the sender). ``num_pieces``: the messages
+        the transport will receive into the targets one each (None: it streams bytes across them).
+        The caller must call ``end_direct`` exactly once afterwards, whatever happens to the payload."""
         with self._lock:
             incoming, header = self._authenticate(raw_header)
             if header.kind != "layer" or header.pulled or header.run_lengths is None:
@@ -203,7 +204,7 @@ class KVReceiver:
             ):
                 self._refuse("shape", f"layer {header.layer}: {nbytes} bytes, expected {layer_bytes * len(layers)}")
             runs = self._direct_runs(incoming, header.run_lengths)
-            if len(layers) * 2 * len(runs) != num_pieces:
+            if num_pieces is not None and len(layers) * 2 * len(runs) != num_pieces:
                 self._refuse("shape", f"{num_pieces} pieces, expected {len(layers) * 2 * len(runs)}")
             targets = []
             for layer in layers:

@@ -5,6 +5,14 @@ background thread per sender slices the source blocks and sends, so layer i trav
 layer i+1 computes. The queue is bounded: a sender that cannot keep up blocks the enqueue up to
 the ticket's lease, then fails the transfer instead of buffering without limit.
 
+How a layer leaves, best first:
+    pulled      the receiver reads the blocks in this cache's shared memory (shm): one copy in all
+    in place    the blocks travel from this cache straight into the reserved ones, a piece per run of
+                consecutive blocks (torch, equal TP degrees): no copy on either side
+    copied      gathered (this shard's heads for each receiver) and sent as a payload; layers queued
+                together leave in one message of up to 16 MB
+A sender that fell behind the forward pass sends the layers queued meanwhile together, in one chunk.
+
 Per request:  PENDING ─▶ TRANSFERRING ─▶ DONE (every receiver acknowledged the "done") | FAILED.
 The source blocks stay the caller's to hold until ``poll`` says the transfer is terminal.
 """

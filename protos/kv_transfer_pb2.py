@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x13pdserve.kv_transfer\";\n\x05Piece\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x14\n\x0cpayload_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x90\x01\n\nKVTransfer\x12>\n\x04Push\x12\x1a.pdserve.kv_transfer.Piece\x1a\x18.pdserve.kv_transfer.Ack(\x01\x12\x42\n\nPushSingle\x12\x1a.pdserve.kv_transfer.Piece\x1a\x18.pdserve.kv_transfer.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x13pdserve.kv_transfer\"M\n\x05Piece\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x14\n\x0cpayload_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08in_place\x18\x04 \x01(\x08\"3\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x64\x65\x63lined\x18\x03 \x01(\x08\x32\x90\x01\n\nKVTransfer\x12>\n\x04Push\x12\x1a.pdserve.kv_transfer.Piece\x1a\x18.pdserve.kv_transfer.Ack(\x01\x12\x42\n\nPushSingle\x12\x1a.pdserve.kv_transfer.Piece\x1a\x18.pdserve.kv_transfer.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PIECE']._serialized_start=42
-  _globals['_PIECE']._serialized_end=101
-  _globals['_ACK']._serialized_start=103
-  _globals['_ACK']._serialized_end=136
-  _globals['_KVTRANSFER']._serialized_start=139
-  _globals['_KVTRANSFER']._serialized_end=283
+  _globals['_PIECE']._serialized_end=119
+  _globals['_ACK']._serialized_start=121
+  _globals['_ACK']._serialized_end=172
+  _globals['_KVTRANSFER']._serialized_start=175
+  _globals['_KVTRANSFER']._serialized_end=319
 # @@protoc_insertion_point(module_scope)

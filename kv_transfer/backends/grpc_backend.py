@@ -7,6 +7,12 @@
                       copy the slices into one reused assembly buffer (a lone slice is used as it came)
                       KVReceiver.apply(header, buffer) ──▶ Ack{ok, reason}
 
+A chunk sent in place (``send_pieces``: equal TP degrees, from the sender's cache itself) has
+``in_place`` set on its header piece: the server checks the header (``KVReceiver.begin_direct``)
+and copies each slice as it arrives straight into the reserved blocks, so neither side gathers,
+assembles or scatters. A receiver that cannot (a non-contiguous cache) answers ``declined`` and is
+sent copies from then on.
+
 Every call carries a deadline (the sender's ``timeout_s``). Errors map onto the KVChannel contract:
 Ack{ok=false} → TransferRefused, DEADLINE_EXCEEDED → TimeoutError, any other gRPC status (peer gone,
 connection refused, cancelled, overloaded) → ConnectionError.
@@ -22,6 +28,7 @@ trusted network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -29,8 +36,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
-from kv_transfer.receiver import KVReceiver
+from kv_transfer.receiver import KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 from protos import kv_transfer_pb2
 
@@ -69,12 +77,15 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _encode_pieces(header: bytes, payload: memoryview, piece_bytes: int) -> Iterator[bytes]:
-    """The Push stream, serialized: a header piece, then data-only pieces of ``piece_bytes``."""
-    yield Piece(header=header, payload_size=len(payload)).SerializeToString()
-    for start in range(0, len(payload), piece_bytes):
-        piece = payload[start : start + piece_bytes]
-        yield b"".join((_DATA_TAG, _varint(len(piece)), piece))  # the one copy of this slice
+def _encode_pieces(header: bytes, parts: list[memoryview], piece_bytes: int, in_place: bool = False) -> Iterator[bytes]:
+    """The Push stream, serialized: a header piece, then data-only pieces of at most ``piece_bytes``
+    (a part's slices; the payload is the parts one after another)."""
+    size = sum(len(part) for part in parts)
+    yield Piece(header=header, payload_size=size, in_place=in_place).SerializeToString()
+    for part in parts:
+        for start in range(0, len(part), piece_bytes):
+            piece = part[start : start + piece_bytes]
+            yield b"".join((_DATA_TAG, _varint(len(piece)), piece))  # the one copy of this slice
 
 
 def _decode_piece(raw: bytes) -> Piece | memoryview:
@@ -112,7 +123,12 @@ class _KVTransferServicer:
             first = next(pieces, None)
             if not isinstance(first, Piece):
                 raise TransferRefused("a chunk must start with its header piece")
-            self.receiver.apply(first.header, self._assemble(first, pieces))
+            if first.in_place:
+                self._receive_in_place(first, pieces)
+            else:
+                self.receiver.apply(first.header, self._assemble(first, pieces))
+        except NotInPlace as exc:
+            return Ack(ok=False, reason=str(exc), declined=True)
         except TransferRefused as exc:
             return Ack(ok=False, reason=str(exc))
         except grpc.RpcError:  # the sender went away or its deadline passed: nobody reads this answer
@@ -124,6 +140,39 @@ class _KVTransferServicer:
 
     def push_single(self, piece: Piece, context: grpc.ServicerContext) -> Ack:
         return self.push(iter((piece,)), context)
+
+    def _receive_in_place(self, first: Piece, pieces: Iterator[Piece | memoryview]) -> None:
+        """Each slice is copied as it arrives straight into the reserved blocks (no assembly buffer:
+        one copy on this side). The receiver checked the header first; nothing is allocated."""
+        write = self.receiver.begin_direct(first.header, first.payload_size, None)
+        try:
+            targets = [memoryview(t.numpy()) if t.device.type == "cpu" else t for t in write.targets]
+            index, offset, filled, size = 0, 0, 0, first.payload_size
+            data = first.data
+            while filled < size:
+                if not data:
+                    data = self._next_data(pieces, filled, size)
+                view = memoryview(data)
+                while len(view):
+                    if index == len(targets):
+                        raise TransferRefused(f"payload overruns its declared {size} bytes")
+                    target = targets[index]
+                    n = min(len(view), len(target) - offset)
+                    if isinstance(target, memoryview):
+                        target[offset : offset + n] = view[:n]
+                    else:  # a GPU cache
+                        target.narrow(0, offset, n).copy_(torch.frombuffer(view[:n], dtype=torch.uint8))
+                    view, offset, filled = view[n:], offset + n, filled + n
+                    if offset == len(target):
+                        index, offset = index + 1, 0
+                data = b""
+            if next(pieces, None) is not None:
+                raise TransferRefused(f"payload overruns its declared {size} bytes")
+        except BaseException as exc:
+            with contextlib.suppress(TransferRefused):
+                self.receiver.end_direct(write, received=False, reason=str(exc) or type(exc).__name__)
+            raise
+        self.receiver.end_direct(write, received=True)
 
     def _assemble(self, first: Piece, pieces: Iterator[Piece | memoryview]) -> bytes | memoryview:
         size = first.payload_size
@@ -165,6 +214,7 @@ class _GrpcChannel(KVChannel):
     """Connects on the first send and reuses the gRPC channel; one sender thread at a time."""
 
     def __init__(self, endpoint: str, piece_bytes: int) -> None:
+        self.sends_in_place = True  # until the receiver declines it once
         self.endpoint = endpoint
         self.piece_bytes = piece_bytes
         self.single_max_bytes = min(SINGLE_MAX_BYTES, piece_bytes)
@@ -191,20 +241,42 @@ class _GrpcChannel(KVChannel):
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         push, push_single = self._connect()
+        if len(view) <= self.single_max_bytes:
+            piece = Piece(header=bytes(header), payload_size=len(view), data=bytes(view))
+            ack = self._call(lambda: push_single(piece, timeout=timeout_s), timeout_s)
+        else:
+            ack = self._call(
+                lambda: push(_encode_pieces(bytes(header), [view], self.piece_bytes), timeout=timeout_s), timeout_s
+            )
+        if not ack.ok:
+            raise TransferRefused(ack.reason)
+
+    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float) -> bool:
+        if not self.sends_in_place or any(piece.device.type != "cpu" for piece in pieces):
+            return False
+        parts = [memoryview(piece.reshape(-1).view(torch.uint8).numpy()) for piece in pieces]
+        push, _ = self._connect()
+        ack = self._call(
+            lambda: push(_encode_pieces(bytes(header), parts, self.piece_bytes, in_place=True), timeout=timeout_s),
+            timeout_s,
+        )
+        if ack.declined:
+            logger.info("%s takes no chunks in place (%s): sending copies", self.endpoint, ack.reason)
+            self.sends_in_place = False
+            return False
+        if not ack.ok:
+            raise TransferRefused(ack.reason)
+        return True
+
+    def _call(self, call, timeout_s: float) -> Ack:
         try:
-            if len(view) <= self.single_max_bytes:
-                piece = Piece(header=bytes(header), payload_size=len(view), data=bytes(view))
-                ack = push_single(piece, timeout=timeout_s)
-            else:
-                ack = push(_encode_pieces(bytes(header), view, self.piece_bytes), timeout=timeout_s)
+            return call()
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"no verdict from {self.endpoint} within {timeout_s:.1f}s") from exc
             detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             raise ConnectionError(f"gRPC {code.name if code else 'error'} from {self.endpoint}: {detail}") from exc
-        if not ack.ok:
-            raise TransferRefused(ack.reason)
 
     def close(self) -> None:
         with self._lock:

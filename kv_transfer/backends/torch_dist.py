@@ -462,7 +462,7 @@ class _TorchDistChannel(KVChannel):
         assert pair is not None
         try:
             status, reason = self._exchange(pair, header, parts, in_place, deadline)
-        except (TimeoutError, ConnectionError):
+        except BaseException:  # mid-exchange, the pair's message order is lost: never reuse it
             self._drop()
             raise
         self._last_used = time.monotonic()

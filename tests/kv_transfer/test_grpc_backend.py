@@ -88,7 +88,7 @@ def test_streamed_chunks_are_bit_exact(transports, piece_bytes):
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 70_000])
 def test_hand_encoded_pieces_are_protobuf_pieces(size):
     payload = memoryview(os.urandom(size))
-    raw = list(grpc_backend._encode_pieces(b"hdr", payload, piece_bytes=1 << 20))
+    raw = list(grpc_backend._encode_pieces(b"hdr", [payload], piece_bytes=1 << 20))
     first = kv_transfer_pb2.Piece.FromString(raw[0])
     assert (first.header, first.payload_size, first.data) == (b"hdr", size, b"")
     assert b"".join(kv_transfer_pb2.Piece.FromString(r).data for r in raw[1:]) == bytes(payload)

@@ -1,6 +1,7 @@
-"""Chunks sent in place over the torch backend: from the sender's cache straight into the
-receiver's reserved blocks (no copy on either side), falling back to copies where that cannot
-work, and never writing into blocks after the receiver released them."""
+"""Chunks sent in place (torch: gloo messages straight into the blocks; gRPC: slices copied into
+them as they arrive): from the sender's cache into the receiver's reserved blocks with no gather,
+assembly or scatter, falling back to copies where that cannot work, and never writing into blocks
+after the receiver released them. Also the copied batches that carry several small layers."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ SRC_BLOCKS = [7, 8, 9, 10]
 DST_BLOCKS = [1, 2, 3, 4]  # one run against SRC_BLOCKS: K and V in one piece each
 
 
-@pytest.fixture
-def transport():
-    t = TorchDistTransport()
+@pytest.fixture(params=["torch", "grpc"])
+def transport(request):
+    t = transport_named(request.param)
     yield t
     t.shutdown()
 
@@ -332,11 +333,12 @@ def test_a_refused_in_place_chunk_writes_nothing_and_the_channel_pairs_again(tra
     channel.close()
 
 
-def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks(transport):
+def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks():
     """Pieces stop arriving: the receiver's wait ends at the chunk's deadline, the pair closes, the
     request fails with the reason and release() returns at once (no write can follow)."""
     receiver, ticket, dst = _receiver()
     layout = dst.layouts[0]
+    transport = TorchDistTransport()
     endpoint = transport.serve(receiver)
     header, nbytes = _in_place_header(ticket, layout)
     channel = transport.connect(endpoint)
@@ -355,6 +357,7 @@ def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks(tran
     receiver.release("req-1")
     assert time.monotonic() - start < 1
     channel.close()
+    transport.shutdown()
 
 
 # --- several layers of small pieces: copied into one message instead ---------------------------
@@ -442,3 +445,30 @@ def test_a_copied_batch_lands_layer_by_layer_or_stacked(layers, one_allocation):
     untouched = [layer for layer in range(3) if layer not in layers]
     assert all(torch.count_nonzero(caches[layer]) == 0 for layer in untouched)
     assert receiver.stats("req-1").num_bytes == len(layers) * layer_bytes
+
+
+@pytest.mark.parametrize(("sent_fraction", "why"), [(0.5, "ended after 1024 of 2048"), (1.5, "overruns")])
+def test_grpc_stream_short_or_long_fails_the_request_and_frees_the_blocks(sent_fraction, why):
+    from kv_transfer.backends import grpc_backend
+
+    receiver, ticket, dst = _receiver()
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    transport = transport_named("grpc")
+    channel = transport.connect(transport.serve(receiver))
+    push, _ = channel._connect()
+    data = bytes(int(nbytes * sent_fraction))
+
+    def stream():
+        first = grpc_backend.Piece(header=encode_header(header, ticket.secret), payload_size=nbytes, in_place=True)
+        yield first.SerializeToString()
+        yield grpc_backend.Piece(data=data).SerializeToString()
+
+    ack = push(stream(), timeout=5)
+    assert not ack.ok and why in ack.reason
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and "payload not received" in status.reason and why in status.reason
+    start = time.monotonic()
+    receiver.release("req-1")  # nothing in flight any more
+    assert time.monotonic() - start < 1
+    channel.close()
+    transport.shutdown()
