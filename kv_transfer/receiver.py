@@ -20,7 +20,7 @@ import time
 import warnings
 import zlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
@@ -65,10 +65,11 @@ class _Incoming:
     # (checked header fields, sender's block ids, their copy plan): what pulled layers share
     pull_plan: tuple[tuple[int, ...], list[int], BlockCopyPlan] | None = None
     writing: set[tuple[int, int, int]] = field(default_factory=set)  # chunks a transport is receiving in place
+    in_flight: list[DirectWrite] = field(default_factory=list)  # the writes under way (their abort hooks)
     direct_plan: tuple[list[int], list[tuple[int, int]]] | None = None  # run lengths; (first block, length) each
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class DirectWrite:
     """A chunk the transport receives straight into reserved blocks: ``targets`` are contiguous
     byte views of those blocks, in payload order (layer by layer; in each, K then V, each by run of
@@ -78,7 +79,11 @@ class DirectWrite:
     layers: list[ChunkHeader]  # one header per layer the chunk carries
     keys: list[tuple[int, int, int]]
     targets: list[torch.Tensor]
+    lease_left_s: float  # the transport must end the write by then (the sender's clock is not ours)
     incoming: _Incoming = field(repr=False)
+    # The transport's way to cut the payload short (a gRPC call's cancel); release() calls it
+    # rather than wait for a stalled sender. Without one, the transport bounds the wait itself.
+    abort: list[Callable[[], object]] = field(default_factory=list, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +147,11 @@ class KVReceiver:
             incoming = self._incoming.pop(request_id, None)
             if incoming is None:
                 return
+            for abort in [hook for write in incoming.in_flight for hook in write.abort]:
+                try:
+                    abort()
+                except Exception:
+                    logger.exception("aborting a payload in flight for %s failed", request_id)
             give_up = time.monotonic() + max(0.0, incoming.ticket.lease_deadline - time.time()) + _WRITE_GRACE_S
             while incoming.writing and self._writes_ended.wait(max(0.0, give_up - time.monotonic())):
                 pass
@@ -214,14 +224,35 @@ class KVReceiver:
                     raise NotInPlace(f"layer {layer.layer} of this cache is not contiguous")
                 targets += [kv[part].narrow(0, dst, n).view(-1).view(torch.uint8) for part in (0, 1) for dst, n in runs]
             incoming.writing.update(keys)
-            return DirectWrite(incoming.ticket.request_id, layers, keys, targets, incoming)
+            write = DirectWrite(
+                incoming.ticket.request_id,
+                layers,
+                keys,
+                targets,
+                incoming.ticket.lease_deadline - time.time(),
+                incoming,
+            )
+            incoming.in_flight.append(write)
+            return write
 
     def end_direct(self, write: DirectWrite, received: bool, reason: str = "") -> None:
         """The transport is done with ``write``'s targets: every byte received (``received``) or the
         payload failed midway (``reason``; the request fails). Raises TransferRefused like ``apply``."""
+        # Checksums outside the lock (a chunk may be hundreds of MB): the blocks stay reserved
+        # until the write ends below, so nothing else can touch them meanwhile.
+        per_layer = len(write.targets) // len(write.layers)
+        intact = (
+            [
+                header.checksum is None or _crc(write.targets[i * per_layer : (i + 1) * per_layer]) == header.checksum
+                for i, header in enumerate(write.layers)
+            ]
+            if received
+            else []
+        )
         with self._lock:
             owner = write.incoming
             owner.writing.difference_update(write.keys)
+            owner.in_flight = [other for other in owner.in_flight if other is not write]
             self._writes_ended.notify_all()  # release() may be waiting for this write to end
             if self._incoming.get(write.request_id) is not owner:
                 self._refuse("terminal", f"transfer of {write.request_id} was released during its payload")
@@ -229,12 +260,10 @@ class KVReceiver:
             if not received:
                 self._fail(owner, f"layer {first}+ payload not received: {reason}")
                 self._refuse("payload", f"layer {first}+ payload not received: {reason}")
-            per_layer = len(write.targets) // len(write.layers)
-            for i, (header, key) in enumerate(zip(write.layers, write.keys, strict=True)):
+            for header, key, ok in zip(write.layers, write.keys, intact, strict=True):
                 if owner.state.is_terminal:
                     self._refuse("terminal", f"transfer of {write.request_id} already {owner.state.name}")
-                targets = write.targets[i * per_layer : (i + 1) * per_layer]
-                if header.checksum is not None and _crc(targets) != header.checksum:
+                if not ok:
                     self._checksum_failed(owner, header)
                 self._landed(owner, header, key, header.nbytes, in_place=True)
 
@@ -344,7 +373,8 @@ class KVReceiver:
 
     def _apply_payload_batch(self, incoming: _Incoming, layers: list[ChunkHeader], payload) -> None:
         """Several layers carried one after another in the payload (the sender bounds it to 16 MB,
-        so it is copied under one hold of the lock). Checked whole before anything is written."""
+        so it is copied under one hold of the lock). Checked whole, checksums included, before
+        anything is written."""
         keys = [self._check_chunk(incoming, header) for header in layers]
         if len(set(keys)) != len(keys):
             self._refuse("duplicate", "a batch names one layer twice")
@@ -353,15 +383,16 @@ class KVReceiver:
         if per_layer * len(layers) != len(view):
             self._refuse("shape", f"a payload of {len(view)} bytes for {len(layers)} layers")
         first = self._target_view(incoming, layers[0], view[:per_layer])  # every layer has its shape
-        consecutive = all(header.layer == layers[0].layer + i for i, header in enumerate(layers))
-        if self._stacked is None or not consecutive:
-            for i, header in enumerate(layers):
-                self._apply_layer(incoming, header, view[i * per_layer : (i + 1) * per_layer], None)
-            return
-        # One copy per block run for all the layers (a per-layer copy costs ~100 us of Python).
         for i, header in enumerate(layers):
             if header.checksum is not None and checksum(view[i * per_layer : (i + 1) * per_layer]) != header.checksum:
                 self._checksum_failed(incoming, header)
+        consecutive = all(header.layer == layers[0].layer + i for i, header in enumerate(layers))
+        if self._stacked is None or not consecutive:
+            for i, header in enumerate(layers):
+                part = view[i * per_layer : (i + 1) * per_layer]
+                self._apply_layer(incoming, replace(header, checksum=None), part, None)  # checked above
+            return
+        # One copy per block run for all the layers (a per-layer copy costs ~100 us of Python).
         source = torch.frombuffer(view, dtype=torch.uint8).view(first.dtype).view(len(layers), *first.shape)
         heads = slice(layers[0].dst_head_offset, layers[0].dst_head_offset + layers[0].num_heads)
         dst = self._stacked[layers[0].layer : layers[-1].layer + 1, :, :, :, heads]

@@ -69,6 +69,11 @@ class SendStatus:
     layers_sent: int
 
 
+def _block_bytes(layout: KVCacheLayout) -> int:
+    """One block of one of K or V in a shard of this layout."""
+    return layout.block_size * layout.num_kv_heads * layout.head_dim * getattr(torch, layout.dtype).itemsize
+
+
 def _payload(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes without a copy (bf16 has no numpy dtype: view as bytes)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
@@ -379,6 +384,10 @@ class KVSender:
             return 0
         layer_bytes = self._segment_layer_bytes(out, layers[0][1], seg.num_heads)
         if len(layers) > 1 and layer_bytes // (2 * len(runs)) < _MIN_IN_PLACE_PIECE_BYTES:
+            return 0
+        if layer_bytes != 2 * len(out.src_block_ids) * _block_bytes(ticket.layout):
+            # The receiver sizes its receives from its own layout: a piece of another size would
+            # abort its process inside gloo. The copying path checks sizes before writing.
             return 0
         per_chunk = max(1, MAX_DIRECT_PIECES // (2 * len(runs)))
         for start in range(0, len(layers), per_chunk):

@@ -124,7 +124,7 @@ class _KVTransferServicer:
             if not isinstance(first, Piece):
                 raise TransferRefused("a chunk must start with its header piece")
             if first.in_place:
-                self._receive_in_place(first, pieces)
+                self._receive_in_place(first, pieces, context)
             else:
                 self.receiver.apply(first.header, self._assemble(first, pieces))
         except NotInPlace as exc:
@@ -141,10 +141,14 @@ class _KVTransferServicer:
     def push_single(self, piece: Piece, context: grpc.ServicerContext) -> Ack:
         return self.push(iter((piece,)), context)
 
-    def _receive_in_place(self, first: Piece, pieces: Iterator[Piece | memoryview]) -> None:
+    def _receive_in_place(
+        self, first: Piece, pieces: Iterator[Piece | memoryview], context: grpc.ServicerContext
+    ) -> None:
         """Each slice is copied as it arrives straight into the reserved blocks (no assembly buffer:
-        one copy on this side). The receiver checked the header first; nothing is allocated."""
+        one copy on this side). The receiver checked the header first; nothing is allocated. If the
+        request is released meanwhile (a stalled sender, an aborted request), the call is cancelled."""
         write = self.receiver.begin_direct(first.header, first.payload_size, None)
+        write.abort.append(context.cancel)
         try:
             targets = [memoryview(t.numpy()) if t.device.type == "cpu" else t for t in write.targets]
             index, offset, filled, size = 0, 0, 0, first.payload_size

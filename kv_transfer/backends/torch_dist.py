@@ -77,12 +77,17 @@ class TorchDistConfig:
     max_payload_bytes: int = 1 << 30  # a larger chunk is refused before anything is allocated
     connect_timeout_s: float = 10.0  # pairing: store connect, verdict and rendezvous
     pair_idle_s: float = 60.0  # a pair without a chunk for this long is closed
+    # A payload received in place must keep coming: its receive ends after payload_stall_s plus its
+    # bytes at payload_min_bytes_per_s. That bounds how long a stalled sender holds blocks that
+    # release() must wait for (gloo's receive cannot be cut short from another thread).
+    payload_stall_s: float = 1.0
+    payload_min_bytes_per_s: float = 64e6
 
     def __post_init__(self) -> None:
         for name in ("max_pairs", "max_payload_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"torch KV transport: {name}={getattr(self, name)} must be at least 1")
-        for name in ("connect_timeout_s", "pair_idle_s"):
+        for name in ("connect_timeout_s", "pair_idle_s", "payload_stall_s", "payload_min_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"torch KV transport: {name}={getattr(self, name)} must be a positive number")
 
@@ -368,6 +373,11 @@ class _Endpoint:
         except Exception as exc:
             logger.exception("checking a KV chunk failed")
             return _UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", False
+        now = time.monotonic()
+        cfg = self.config
+        deadline = min(
+            deadline, now + write.lease_left_s, now + cfg.payload_stall_s + nbytes / cfg.payload_min_bytes_per_s
+        )
         try:
             pair.recv_all(write.targets, deadline, "receiving a chunk payload")
         except BaseException as exc:

@@ -141,6 +141,16 @@ def wait_terminal(pollers, timeout_s=20.0):
     return [p() for p in pollers]
 
 
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    """Whether ``predicate()`` came true within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def assert_bit_exact(full, dst: Side, src_blocks, dst_blocks, num_blocks):
     base = dst.layouts[0]
     for r, layout in enumerate(dst.layouts):
@@ -163,4 +173,5 @@ __all__ = [
     "transfer",
     "transport_named",
     "wait_terminal",
+    "wait_until",
 ]

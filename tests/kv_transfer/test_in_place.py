@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -27,6 +28,7 @@ from tests.kv_transfer.harness import (
     transfer,
     transport_named,
     wait_terminal,
+    wait_until,
 )
 
 SRC_BLOCKS = [7, 8, 9, 10]
@@ -333,31 +335,140 @@ def test_a_refused_in_place_chunk_writes_nothing_and_the_channel_pairs_again(tra
     channel.close()
 
 
-def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks():
-    """Pieces stop arriving: the receiver's wait ends at the chunk's deadline, the pair closes, the
-    request fails with the reason and release() returns at once (no write can follow)."""
-    receiver, ticket, dst = _receiver()
-    layout = dst.layouts[0]
-    transport = TorchDistTransport()
-    endpoint = transport.serve(receiver)
-    header, nbytes = _in_place_header(ticket, layout)
+def _stalled_torch_sender(transport, endpoint, header, secret, nbytes, head_timeout_ms):
+    """Sends a chunk's head and its K piece by hand, then stalls (V never comes). Returns the channel."""
     channel = transport.connect(endpoint)
     with channel._lock:
         deadline = channel._ready(b"x", 10.0)
         pair = channel._pair
         view = memoryview(channel._head.numpy())
-        raw = encode_header(header, ticket.secret)
-        torch_dist._HEAD.pack_into(view, 0, len(raw), nbytes, 1000, 0, 2)
+        raw = encode_header(header, secret)
+        torch_dist._HEAD.pack_into(view, 0, len(raw), nbytes, head_timeout_ms, 0, 2)
         view[torch_dist._HEAD.size : torch_dist._HEAD.size + len(raw)] = raw
         pair.send(channel._head, deadline, "head")
-        pair.send(torch.full((nbytes // 2,), 9, dtype=torch.uint8), deadline, "K only")  # V never comes
+        pair.send(torch.full((nbytes // 2,), 9, dtype=torch.uint8), deadline, "K only")
+    return channel
+
+
+def test_sender_stalling_mid_payload_fails_the_request_and_frees_the_blocks():
+    """Pieces stop arriving: the receive ends at the chunk's deadline, the pair closes (gloo writes
+    nothing after a receive timed out), the request fails with the reason, release() is prompt."""
+    receiver, ticket, dst = _receiver()
+    transport = TorchDistTransport()
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    channel = _stalled_torch_sender(transport, transport.serve(receiver), header, ticket.secret, nbytes, 1000)
     (status,) = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=10)
     assert status.state is TransferState.FAILED and "payload not received" in status.reason
     start = time.monotonic()
     receiver.release("req-1")
     assert time.monotonic() - start < 1
+    assert transport.num_pairs() == 0  # the pair is gone: the rest of the payload cannot land
     channel.close()
     transport.shutdown()
+
+
+def test_a_stalled_payload_holds_release_for_its_stall_bound_not_the_lease():
+    receiver, ticket, dst = _receiver(lease_s=60)
+    transport = TorchDistTransport(payload_stall_s=0.5)
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    # The sender claims a minute for this chunk; the receiver allows a stall of 0.5 s.
+    channel = _stalled_torch_sender(transport, transport.serve(receiver), header, ticket.secret, nbytes, 60_000)
+    assert receiver.poll("req-1").state is TransferState.PENDING  # K landed, V pending: still receiving
+    start = time.monotonic()
+    receiver.release("req-1")  # say, the client went away
+    assert time.monotonic() - start < 3
+    channel.close()
+    transport.shutdown()
+
+
+def test_releasing_during_a_stalled_grpc_stream_cancels_it():
+    from kv_transfer.backends import grpc_backend
+
+    receiver, ticket, dst = _receiver(lease_s=60)
+    header, nbytes = _in_place_header(ticket, dst.layouts[0])
+    transport = transport_named("grpc")
+    channel = transport.connect(transport.serve(receiver))
+    push, _ = channel._connect()
+    stalled, finish = threading.Event(), threading.Event()
+
+    def stream():
+        first = grpc_backend.Piece(header=encode_header(header, ticket.secret), payload_size=nbytes, in_place=True)
+        yield first.SerializeToString()
+        yield grpc_backend.Piece(data=bytes(nbytes // 2)).SerializeToString()
+        stalled.set()
+        finish.wait(30)  # the sender hangs mid-payload
+
+    outcome = []
+    caller = threading.Thread(target=lambda: outcome.append(_call_outcome(push, stream())))
+    caller.start()
+    assert stalled.wait(10)
+    assert wait_until(lambda: receiver._incoming["req-1"].writing)
+    start = time.monotonic()
+    receiver.release("req-1")
+    assert time.monotonic() - start < 3
+    finish.set()
+    caller.join(10)
+    assert outcome and outcome[0] == "CANCELLED"
+    channel.close()
+    transport.shutdown()
+
+
+def _call_outcome(push, stream) -> str:
+    import grpc
+
+    try:
+        ack = push(stream, timeout=30)
+        return f"ack ok={ack.ok}"
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def test_a_pair_is_dropped_after_an_unexpected_error_mid_exchange(monkeypatch):
+    """Message order on a pair is lost once an exchange breaks off: the channel must not reuse it."""
+    receiver, ticket, dst = _receiver()
+    second = make_ticket("req-2", "torch", ["torch://127.0.0.1:1"], dst.layouts[0], "m", [11, 12, 13, 14], 13, 30)
+    receiver.expect(second)
+    transport = TorchDistTransport()
+    channel = transport.connect(transport.serve(receiver))
+    src, _ = make_side(1, fill=True)
+    pieces = [src.caches[0][0][part].narrow(0, 7, 4) for part in (0, 1)]
+    header, _ = _in_place_header(ticket, dst.layouts[0])
+    post_all = torch_dist._Pair.post_all
+
+    def failing_post_all(self, op, parts):
+        raise RuntimeError("NCCL setup failed")  # say: anything but a timeout or a closed connection
+
+    monkeypatch.setattr(torch_dist._Pair, "post_all", failing_post_all)
+    with pytest.raises(RuntimeError, match="NCCL"):
+        channel.send_pieces(encode_header(header, ticket.secret), pieces, 5)
+    assert channel._pair is None
+    monkeypatch.setattr(torch_dist._Pair, "post_all", post_all)
+    (status,) = wait_terminal([lambda: receiver.poll("req-1")])  # its payload never came
+    assert status.state is TransferState.FAILED and "payload not received" in status.reason
+    header = replace(header, request_id="req-2")
+    assert channel.send_pieces(encode_header(header, second.secret), pieces, 5)  # over a fresh pair
+    assert torch.equal(dst.caches[0][0][:, [11, 12, 13, 14]], src.caches[0][0][:, SRC_BLOCKS])
+    channel.close()
+    transport.shutdown()
+
+
+def test_runs_must_be_consecutive_on_the_receiving_side_too():
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "torch")
+    ticket = make_ticket("req-1", "torch", ["torch://127.0.0.1:1"], dst.layouts[0], "m", [20, 28, 29, 30], 13, 30)
+    receiver.expect(ticket)
+    for runs, pieces in (([4], 2), ([2, 2], 4)):  # 20 and 28 are not consecutive
+        header, nbytes = _in_place_header(ticket, dst.layouts[0], run_lengths=runs)
+        with pytest.raises(TransferRefused, match="not consecutive here"):
+            receiver.begin_direct(encode_header(header, ticket.secret), nbytes, pieces)
+    header, nbytes = _in_place_header(ticket, dst.layouts[0], run_lengths=[1, 3])
+    write = receiver.begin_direct(encode_header(header, ticket.secret), nbytes, 4)
+    assert [t.numel() for t in write.targets] == [nbytes // 8, 3 * nbytes // 8] * 2
+    for target in write.targets:
+        target.fill_(1)
+    receiver.end_direct(write, received=True)
+    written = [b for b in range(32) if torch.count_nonzero(dst.caches[0][0][:, b])]
+    assert written == [20, 28, 29, 30]
 
 
 # --- several layers of small pieces: copied into one message instead ---------------------------

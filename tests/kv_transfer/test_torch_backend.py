@@ -18,7 +18,7 @@ from kv_transfer.backends import torch_dist
 from kv_transfer.backends.torch_dist import TorchDistTransport
 from kv_transfer.protocol import ChunkHeader, checksum, encode_header
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal
+from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal, wait_until
 
 _LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
@@ -42,15 +42,6 @@ def _serve_one(transport: TorchDistTransport, lease_s: float = 30.0):
     ticket = make_ticket("req-1", "torch", [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s)
     receiver.expect(ticket)
     return receiver, ticket, dst
-
-
-def _until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _listening_sockets() -> dict[int, str]:
@@ -96,7 +87,7 @@ def test_two_senders_get_their_own_pair_groups(transports):
     assert transport.num_pairs() == 2  # one 2-rank group per sender channel, not one shared world
     for sender in senders:
         sender.close()
-    assert _until(lambda: transport.num_pairs() == 0)  # a closed channel ends its receiver-side pair thread
+    assert wait_until(lambda: transport.num_pairs() == 0)  # a closed channel ends its receiver-side pair thread
 
 
 def test_pairs_beyond_the_limit_are_refused(transports):
@@ -108,7 +99,7 @@ def test_pairs_beyond_the_limit_are_refused(transports):
     with pytest.raises(ConnectionError, match="limit of 1 concurrent pairs"):
         second.send(b"junk", b"", 5)
     first.close()
-    assert _until(lambda: transport.num_pairs() == 0)
+    assert wait_until(lambda: transport.num_pairs() == 0)
     with pytest.raises(TransferRefused, match="malformed"):  # a slot freed up
         second.send(b"junk", b"", 5)
     second.close()
@@ -133,7 +124,7 @@ def test_idle_pairs_close_and_senders_pair_again(transports):
     channel = transport.connect(ticket.receiver_endpoints[0])
     with pytest.raises(TransferRefused):
         channel.send(b"junk", b"", 5)
-    assert _until(lambda: transport.num_pairs() == 0, 3)  # the receiver closed the idle pair
+    assert wait_until(lambda: transport.num_pairs() == 0, 3)  # the receiver closed the idle pair
     with pytest.raises(TransferRefused, match="malformed"):  # the sender notices and pairs afresh
         channel.send(b"junk", b"", 5)
     assert transport.num_pairs() == 1
@@ -210,7 +201,7 @@ def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease(transpor
     sender = KVSender(src.layouts[0], "m", transports())
     sender.start(ticket, [7, 8, 9, 10])
     sender.send_layer("req-1", 0, src.caches[0][0])
-    assert _until(lambda: sender.poll("req-1").layers_sent == 1, 10)
+    assert wait_until(lambda: sender.poll("req-1").layers_sent == 1, 10)
     proc.kill()
     proc.join(10)
     start = time.monotonic()
@@ -240,7 +231,7 @@ def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry(transport
         assert transport.num_pairs() == 1
         proc.kill()
         proc.join(10)
-        assert _until(lambda: transport.num_pairs() == 0, 3)  # the pair thread saw the peer go and exited
+        assert wait_until(lambda: transport.num_pairs() == 0, 3)  # the pair thread saw the peer go and exited
         (status,) = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=10)
         assert status.state is TransferState.FAILED and "lease expired" in status.reason
     finally:
