@@ -28,6 +28,13 @@ one gloo pair costs ~1-2 ms, a ping-pong ~0.1 ms, unless the receiver has posted
 first (the pieces of a chunk: no extra cost measured). Head and verdict have fixed sizes,
 so each is a single message.
 
+Trust: gloo trusts its peer. A message larger than the receive posted for it aborts the whole
+process inside gloo (an enforce, not an exception), and pairing needs no secret, so anyone who can
+reach the endpoint can take the receiving process down, though not write into its cache: every
+chunk is authenticated before any receive into the cache is posted, and a sender sends in place
+only pieces of the receiver's block size. Serve this backend on loopback or a trusted network;
+gRPC checks every byte it is sent.
+
 Host payloads travel over gloo; a CUDA payload for a CUDA receiver travels over NCCL, in a second
 group of the same pair made on first use (that path is untested: this project's CI has no GPUs).
 Every wait carries the chunk's deadline. Gloo closes a pair whose wait timed out, so any error
