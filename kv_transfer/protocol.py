@@ -67,8 +67,12 @@ class ChunkHeader:
 _FIELDS = tuple(f.name for f in fields(ChunkHeader))
 
 
-def checksum(payload: bytes | memoryview) -> int:
-    return zlib.crc32(payload)
+def checksum(*parts: bytes | memoryview) -> int:
+    """CRC-32 of the parts taken one after another, as one payload (a payload sent in pieces)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
 
 
 def _mac(secret: bytes, body: bytes) -> bytes:

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import warnings
-import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -243,7 +242,9 @@ class KVReceiver:
         per_layer = len(write.targets) // len(write.layers)
         intact = (
             [
-                header.checksum is None or _crc(write.targets[i * per_layer : (i + 1) * per_layer]) == header.checksum
+                header.checksum is None
+                or checksum(*(memoryview(t.cpu().numpy()) for t in write.targets[i * per_layer : (i + 1) * per_layer]))
+                == header.checksum
                 for i, header in enumerate(write.layers)
             ]
             if received
@@ -594,14 +595,6 @@ class KVReceiver:
     def _refuse(self, kind: str, message: str) -> NoReturn:
         self.refusals[kind] += 1
         raise TransferRefused(message)
-
-
-def _crc(parts: list[torch.Tensor]) -> int:
-    """CRC-32 of byte tensors taken one after another, as one payload."""
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(memoryview(part.cpu().numpy()), crc)
-    return crc
 
 
 def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:

@@ -24,7 +24,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -395,14 +394,10 @@ class KVSender:
             pieces, entries = [], []
             for layer, kv in group:
                 mine = [kv[part].narrow(0, src, length) for part in (0, 1) for src, _, length in runs]
-                crc = None
-                if self.with_checksums:  # over the bytes in payload order, as the receiver checks them
-                    crc = 0
-                    for piece in mine:
-                        crc = zlib.crc32(_payload(piece.cpu()), crc)
+                # Over the bytes in payload order, as the receiver checks them.
+                crc = checksum(*(_payload(piece.cpu()) for piece in mine)) if self.with_checksums else None
                 pieces += mine
                 entries.append([layer, -1, 0, crc])
-            layer_bytes = sum(piece.numel() for piece in mine) * group[0][1].element_size()
             header = replace(
                 self._layer_header(ticket, group[0][0], seg, layer_bytes, None),
                 checksum=entries[0][3],
