@@ -28,7 +28,7 @@ from common.config import (
 from common.errors import ConfigError
 
 MODES = ("disagg", "colocated")
-TRANSPORTS = ("shm", "grpc", "torch")  # kv_transfer backends that cross process boundaries ("inproc" does not)
+TRANSPORTS = ("shm", "grpc", "torch", "tcp")  # kv_transfer backends that cross process boundaries ("inproc" does not)
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CONNECTOR = "kv_transfer.connector:TransferConnector"
 

@@ -48,7 +48,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--transport", choices=["shm", "grpc", "torch"], help="KV transport between pools")
+    parser.add_argument("--transport", choices=["shm", "grpc", "torch", "tcp"], help="KV transport between pools")
     parser.add_argument("--kv-cache-memory", type=float, help="per shard: a fraction in (0, 1] or bytes")
     parser.add_argument("--prefill-replicas", type=int)
     parser.add_argument("--decode-replicas", type=int)

@@ -3,7 +3,7 @@
     decode driver        reserve blocks ─▶ KVTicket (endpoints, block ids, layout, lease, secret)
     prefill shard s      KVSender.send_layer(ticket, layer, kv[layer], src blocks)   (per layer, non-blocking)
                          KVSender.finish(ticket, first_token)                        (after the last layer)
-    transport            chunks: [signed header | payload] ─▶ receiver endpoint     (backend: inproc, shm, grpc, torch)
+    transport            chunks: [signed header | payload] ─▶ receiver endpoint (inproc, shm, grpc, torch, tcp)
     decode shard r       KVReceiver writes into its reserved blocks; poll() ─▶ PENDING/TRANSFERRING/DONE/FAILED
 
 kv_transfer knows tensors, block ids and layouts (``common.kv_layout``), never schedulers.

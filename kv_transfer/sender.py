@@ -8,7 +8,8 @@ the ticket's lease, then fails the transfer instead of buffering without limit.
 How a layer leaves, best first:
     pulled      the receiver reads the blocks in this cache's shared memory (shm): one copy in all
     in place    the blocks travel from this cache straight into the reserved ones, a piece per run of
-                consecutive blocks (torch, equal TP degrees): no copy on either side
+                consecutive blocks (equal TP degrees): no copy on either side over torch and tcp, one
+                on each side over grpc
     copied      gathered (this shard's heads for each receiver) and sent as a payload; layers queued
                 together leave in one message of up to 16 MB
 A sender that fell behind the forward pass sends the layers queued meanwhile together, in one chunk.
@@ -42,9 +43,6 @@ _MAX_ENQUEUE_WAIT_S = 5.0
 _MAX_LAYERS_PER_CHUNK = 64  # layers one pulled chunk may name
 # A copied batch is written under the receiver's lock: bound it as a pulled batch's copy is bounded.
 _MAX_COPIED_BATCH_BYTES = 16 << 20
-# Below this a piece sent in place costs more in its own gloo message (~70 us measured) than two
-# copies of its bytes, so several layers of small pieces are copied into one message instead.
-_MIN_IN_PLACE_PIECE_BYTES = 256 << 10
 _NOTHING = object()
 
 
@@ -382,18 +380,25 @@ class KVSender:
         ):
             return 0
         layer_bytes = self._segment_layer_bytes(out, layers[0][1], seg.num_heads)
-        if len(layers) > 1 and layer_bytes // (2 * len(runs)) < _MIN_IN_PLACE_PIECE_BYTES:
+        if len(layers) > 1 and layer_bytes // (2 * len(runs)) < channel.in_place_min_piece_bytes:
             return 0
         if layer_bytes != 2 * len(out.src_block_ids) * _block_bytes(ticket.layout):
             # The receiver sizes its receives from its own layout: a piece of another size would
             # abort its process inside gloo. The copying path checks sizes before writing.
             return 0
         per_chunk = max(1, MAX_DIRECT_PIECES // (2 * len(runs)))
+        block_bytes = layer_bytes // (2 * len(out.src_block_ids))
         for start in range(0, len(layers), per_chunk):
             group = layers[start : start + per_chunk]
             pieces, entries = [], []
             for layer, kv in group:
-                mine = [kv[part].narrow(0, src, length) for part in (0, 1) for src, _, length in runs]
+                flat = kv.view(-1).view(torch.uint8)  # [K blocks | V blocks]: pieces as byte ranges, one op each
+                half = flat.numel() // 2
+                mine = [
+                    flat.narrow(0, part * half + src * block_bytes, length * block_bytes)
+                    for part in (0, 1)
+                    for src, _, length in runs
+                ]
                 # Over the bytes in payload order, as the receiver checks them.
                 crc = checksum(*(_payload(piece.cpu()) for piece in mine)) if self.with_checksums else None
                 pieces += mine

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_every_backend_gets_a_row_with_its_ceilings(monkeypatch, tmp_path):
     monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
-    backends = ["inproc", "shm", "shm-staged", "grpc", "torch"]
+    backends = ["inproc", "shm", "shm-staged", "grpc", "torch", "tcp"]
     argv = ["--backends", *backends, "--tokens", "32", "--layouts", "smollm2-135m", "--repeats", "1"]
     payload = bench_kv_transfer.main(argv)
     rows = {row["backend"]: row for row in payload["rows"]}
@@ -25,5 +25,6 @@ def test_every_backend_gets_a_row_with_its_ceilings(monkeypatch, tmp_path):
         assert row["GB/s"] > 0 and row["of ceiling"] > 0 and 0 <= row["hidden %"] <= 100
         assert 0 < row["first layer ms"] <= row["ms"] * 10  # a latency of this transfer, not a stray clock
     assert ("of library" in rows["grpc"]) and ("of library" in rows["torch"]) and "of library" not in rows["shm"]
+    assert "of library" not in rows["tcp"]  # its library is the socket: the ceiling itself
     assert payload["grpc_stream_bytes_per_s"] > 0 and payload["gloo_bytes_per_s"] > 0
     assert json.loads((tmp_path / "kv_transfer.json").read_text())["rows"] == json.loads(json.dumps(payload["rows"]))

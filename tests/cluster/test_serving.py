@@ -106,7 +106,7 @@ def check_greedy(cluster: LocalCluster, expected) -> None:
 DISAGG = {"mode": "disagg", "prefill.tensor_parallel_size": 3, "decode.tensor_parallel_size": 1}
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc", "torch"])
+@pytest.mark.parametrize("transport", ["shm", "grpc", "torch", "tcp"])
 def test_disaggregated_greedy_matches_transformers(cluster, expected, transport):
     cluster.ensure(**DISAGG, transport=transport)
     check_greedy(cluster, expected)

@@ -14,13 +14,12 @@ import msgpack
 import pytest
 import torch
 
-import kv_transfer.sender as sender_module
 from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
 from kv_transfer.backends import torch_dist
 from kv_transfer.backends.torch_dist import TorchDistTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.receiver import NotInPlace
-from kv_transfer.transport import TransferRefused
+from kv_transfer.transport import KVChannel, TransferRefused
 from tests.kv_transfer.harness import (
     assert_bit_exact,
     layer_chunk_header,
@@ -35,7 +34,7 @@ SRC_BLOCKS = [7, 8, 9, 10]
 DST_BLOCKS = [1, 2, 3, 4]  # one run against SRC_BLOCKS: K and V in one piece each
 
 
-@pytest.fixture(params=["torch", "grpc"])
+@pytest.fixture(params=["torch", "grpc", "tcp"])
 def transport(request):
     t = transport_named(request.param)
     yield t
@@ -46,7 +45,7 @@ def transport(request):
 def _small_pieces_in_place(monkeypatch):
     """These tests' layers are a few KB: send them in place anyway (by default, several layers of
     small pieces are copied into one message instead; see the copied-batch tests below)."""
-    monkeypatch.setattr(sender_module, "_MIN_IN_PLACE_PIECE_BYTES", 0)
+    monkeypatch.setattr(KVChannel, "in_place_min_piece_bytes", 0)
 
 
 def _done(receivers, senders):
@@ -474,15 +473,15 @@ def test_runs_must_be_consecutive_on_the_receiving_side_too():
 # --- several layers of small pieces: copied into one message instead ---------------------------
 
 
-@pytest.mark.parametrize("backend", ["torch", "grpc", "shm"])
+@pytest.mark.parametrize("backend", ["torch", "grpc", "shm", "tcp"])
 def test_small_layers_queued_together_are_copied_into_one_message(backend, monkeypatch):
-    monkeypatch.setattr(sender_module, "_MIN_IN_PLACE_PIECE_BYTES", 1 << 30)
     transport = transport_named(backend)
     gate, chunks = threading.Event(), []
     connect = transport.connect
 
     def gated_connect(endpoint):
         channel = connect(endpoint)
+        channel.in_place_min_piece_bytes = 1 << 30  # what a gloo channel sets; tcp sends any piece in place
         for name in ("send", "send_staged"):
             original = getattr(channel, name, None)
 

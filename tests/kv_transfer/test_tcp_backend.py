@@ -1,0 +1,413 @@
+"""The TCP backend beyond the shared transfer tests: the wire format against raw clients, limits,
+refusals that keep the connection, deadlines, release() during a payload, and peers that die
+mid-transfer (real processes, SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
+from kv_transfer.backends import tcp
+from kv_transfer.backends.tcp import TcpConfig, TcpTransport
+from kv_transfer.protocol import encode_header
+from kv_transfer.transport import TransferRefused
+from tests.kv_transfer.harness import layer_chunk_header, make_side, wait_terminal, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+LAYER_BYTES = 2 * 4 * 4 * 2 * 8 * 4  # the harness's default shard: K and V of 4 blocks, 4 tokens x 2 heads x 8, fp32
+
+
+@pytest.fixture
+def transports():
+    """Server-side and client-side transports kept apart, as in two processes."""
+    made: list[TcpTransport] = []
+
+    def make(**options) -> TcpTransport:
+        made.append(TcpTransport(**options))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.shutdown()
+
+
+def _serve_one(transport: TcpTransport, lease_s: float = 30.0, blocks=(1, 2, 3, 4)):
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "tcp")
+    endpoint = transport.serve(receiver)
+    ticket = make_ticket("req-1", "tcp", [endpoint], dst.layouts[0], "m", list(blocks), 13, lease_s)
+    receiver.expect(ticket)
+    return receiver, ticket, dst
+
+
+def _copied_chunk(ticket: KVTicket, layer: int = 0, value: float = 1.0, secret: bytes | None = None):
+    payload = torch.full((2, ticket.num_blocks, 4, 2, 8), value).numpy().tobytes()
+    header = layer_chunk_header(layer=layer, num_heads=2, num_blocks=ticket.num_blocks, nbytes=len(payload))
+    return encode_header(header, secret or ticket.secret), payload
+
+
+def _in_place_header(ticket: KVTicket, layer: int = 0) -> bytes:
+    header = layer_chunk_header(
+        layer=layer, num_heads=2, num_blocks=ticket.num_blocks, nbytes=LAYER_BYTES, run_lengths=[ticket.num_blocks]
+    )
+    return encode_header(header, ticket.secret)
+
+
+def _raw_connect(endpoint: str) -> socket.socket:
+    """A client that speaks the wire format by hand: connected and greeted."""
+    host, port = tcp._split_endpoint(endpoint)
+    sock = socket.create_connection((host, port), timeout=5)
+    assert tcp._recv_verdict(sock, time.monotonic() + 5, "greeting") == (tcp._OK, "")
+    return sock
+
+
+def _head(header: bytes, payload_len: int, in_place: bool = False, timeout_ms: int = 5000) -> bytes:
+    return tcp._HEAD.pack(tcp._MAGIC, len(header), payload_len, timeout_ms, in_place)
+
+
+def _closed_by_peer(sock: socket.socket, timeout_s: float = 5.0) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _untouched(dst) -> bool:
+    return all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
+# --- serving ------------------------------------------------------------------------------------------
+
+
+def test_serves_on_loopback_only(transports):
+    _receiver, ticket, _ = _serve_one(transports())
+    host, port = tcp._split_endpoint(ticket.receiver_endpoints[0])
+    assert host == "127.0.0.1"
+    if sys.platform != "linux":
+        pytest.skip("127.0.0.2 reaching this host is Linux behaviour")
+    with pytest.raises(OSError):  # the rest of 127/8 reaches this host but not this listener
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+
+
+def test_wildcard_addresses_and_foreign_endpoints_are_refused(transports):
+    dst, _ = make_side(1, fill=False)
+    with pytest.raises(ValueError, match="wildcard"):
+        transports().serve(KVReceiver(dst.caches[0], dst.layouts[0]), host="0.0.0.0")
+    for endpoint in ("grpc://127.0.0.1:5", "tcp://127.0.0.1", "tcp://:80"):
+        with pytest.raises(ValueError, match="tcp://host:port"):
+            transports().connect(endpoint)
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(Exception, match="max_connections"):
+        TcpConfig(max_connections=0)
+    with pytest.raises(Exception, match="idle_s"):
+        TcpConfig(idle_s=0)
+
+
+# --- malformed input: the connection closes, nothing is written, the endpoint keeps serving ------------
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not our protocol at all
+        struct.pack("<4sIQIB", b"XXXX", 10, 0, 1000, 0),  # wrong magic
+        struct.pack("<4sIQIB", b"KVT1", 0, 0, 1000, 0),  # no header
+        struct.pack("<4sIQIB", b"KVT1", (64 << 10) + 1, 0, 1000, 0),  # header over the limit
+        struct.pack("<4sIQIB", b"KVT1", 10, 0, 1000, 7),  # unknown flag
+    ],
+    ids=["http", "magic", "no-header", "huge-header", "flag"],
+)
+def test_malformed_heads_close_the_connection_and_write_nothing(transports, frame):
+    server = transports()
+    _receiver, ticket, dst = _serve_one(server)
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:
+        sock.sendall(frame)
+        assert _closed_by_peer(sock)
+    assert _untouched(dst)
+    header, payload = _copied_chunk(ticket)  # the endpoint still serves well-formed senders
+    transports().connect(ticket.receiver_endpoints[0]).send(header, payload, 5)
+    assert torch.all(dst.caches[0][0][:, 1:5] == 1)
+
+
+def test_oversized_payload_is_refused_before_allocating(transports, monkeypatch):
+    allocated: list[int] = []
+    real = bytearray
+    monkeypatch.setattr(tcp, "bytearray", lambda n=0: allocated.append(n) or real(n), raising=False)
+    receiver, ticket, dst = _serve_one(transports())
+    header, _ = _copied_chunk(ticket)
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:  # declares 1 TiB, against the default 1 GiB limit
+        sock.sendall(_head(header, 1 << 40) + header)
+        status, reason = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        assert status == tcp._REFUSED and "exceeds" in reason
+        assert _closed_by_peer(sock)  # not drained: closed
+    assert max(allocated, default=0) < 1 << 20
+    assert sum(receiver.refusals.values()) == 0 and _untouched(dst)
+
+    # Through a channel, against an endpoint with a small limit: TransferRefused with the reason.
+    receiver, ticket, dst = _serve_one(transports(max_payload_bytes=1024))
+    header, payload = _copied_chunk(ticket)
+    with pytest.raises(TransferRefused, match="exceeds this receiver's limit of 1024"):
+        transports().connect(ticket.receiver_endpoints[0]).send(header, payload, 5)
+    assert _untouched(dst)
+
+
+def test_refused_chunks_are_drained_and_the_connection_stays(transports):
+    server = transports()
+    receiver, ticket, dst = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    header, payload = _copied_chunk(ticket, secret=b"not the ticket's secret")
+    with pytest.raises(TransferRefused, match="signature"):
+        channel.send(header, payload, 5)
+    first = channel._sock
+    # A forged chunk sent in place is refused before its payload lands; its bytes are skipped too.
+    forged = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=LAYER_BYTES, run_lengths=[4])
+    pieces = [torch.ones(LAYER_BYTES // 2, dtype=torch.uint8)] * 2
+    with pytest.raises(TransferRefused, match="signature"):
+        channel.send_pieces(encode_header(forged, b"wrong"), pieces, 5)
+    assert channel.sends_in_place  # refused, not declined
+    header, payload = _copied_chunk(ticket, value=2.0)
+    channel.send(header, payload, 5)
+    assert channel._sock is first and server.num_connections() == 1  # one connection throughout
+    assert torch.all(dst.caches[0][0][:, 1:5] == 2)
+    assert receiver.refusals["bad_signature"] == 2
+
+
+def test_a_payload_that_stops_short_fails_the_request_and_frees_its_blocks(transports):
+    receiver, ticket, _dst = _serve_one(transports())
+    header = _in_place_header(ticket)
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:
+        sock.sendall(_head(header, LAYER_BYTES, in_place=True) + header + bytes(LAYER_BYTES // 2))
+    status = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=5)[0]
+    assert status.state is TransferState.FAILED and "not received" in status.reason
+    receiver.release("req-1")  # returns at once: no write is left in flight
+
+
+def test_an_in_place_chunk_lands_from_a_raw_client(transports):
+    # The wire format as documented: head, header, then K of the run and V of the run.
+    receiver, ticket, dst = _serve_one(transports())
+    header = _in_place_header(ticket, layer=1)
+    k, v = torch.full((LAYER_BYTES // 8,), 3.0), torch.full((LAYER_BYTES // 8,), 4.0)
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:
+        sock.sendall(_head(header, LAYER_BYTES, in_place=True) + header + k.numpy().tobytes() + v.numpy().tobytes())
+        assert tcp._recv_verdict(sock, time.monotonic() + 5, "verdict") == (tcp._OK, "")
+    assert torch.all(dst.caches[0][1][0, 1:5] == 3) and torch.all(dst.caches[0][1][1, 1:5] == 4)
+    assert torch.count_nonzero(dst.caches[0][1][:, 5:]) == 0 and torch.count_nonzero(dst.caches[0][1][:, :1]) == 0
+    assert receiver.stats("req-1").in_place_bytes == LAYER_BYTES
+
+
+# --- limits, idling, deadlines ----------------------------------------------------------------------
+
+
+def test_connections_beyond_the_limit_are_turned_away(transports):
+    server = transports(max_connections=1)
+    _receiver, ticket, dst = _serve_one(server)
+    first = transports().connect(ticket.receiver_endpoints[0])
+    header, payload = _copied_chunk(ticket, layer=0)
+    first.send(header, payload, 5)
+    with pytest.raises(ConnectionError, match="limit of 1 connections"):
+        transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=1), 5)
+    first.close()
+    assert wait_until(lambda: server.num_connections() == 0)
+    transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=1), 5)
+    assert torch.all(dst.caches[0][1][:, 1:5] == 1)
+
+
+def test_idle_connections_close_and_senders_connect_again(transports):
+    server = transports(idle_s=0.3)
+    _receiver, ticket, dst = _serve_one(server)
+    channel = transports(idle_s=0.3).connect(ticket.receiver_endpoints[0])
+    channel.send(*_copied_chunk(ticket, layer=0), 5)
+    assert wait_until(lambda: server.num_connections() == 0, timeout_s=5)  # the receiver closed it
+    channel.send(*_copied_chunk(ticket, layer=1), 5)  # a fresh connection, transparently
+    assert torch.all(dst.caches[0][1][:, 1:5] == 1)
+
+
+def test_a_silent_receiver_gives_a_timeout_error(transports):
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, greets, then never answers
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+        def greet_and_hang():
+            conn, _ = listener.accept()
+            conn.sendall(tcp._VERDICT.pack(tcp._OK, 0))
+            time.sleep(3)
+            conn.close()
+
+        threading.Thread(target=greet_and_hang, daemon=True).start()
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="no verdict"):
+            transports().connect(endpoint).send(b"h", b"x" * 10, 0.3)
+        assert time.monotonic() - start < 2
+
+
+def test_a_dead_endpoint_fails_fast(transports):
+    server = transports()
+    _, ticket, _ = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    channel.send(*_copied_chunk(ticket, layer=0), 5)
+    server.shutdown()
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        channel.send(*_copied_chunk(ticket, layer=1), 30)
+    with pytest.raises(ConnectionError, match="no KV receiver"):
+        transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=1), 30)
+    assert time.monotonic() - start < 5, "a dead endpoint must fail fast, not wait out the deadline"
+
+
+def test_release_cuts_a_stalled_payload_short(transports):
+    receiver, ticket, _dst = _serve_one(transports(), lease_s=30)
+    header = _in_place_header(ticket)
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:
+        # Half the payload, then nothing: the chunk's deadline (30 s) and lease are far away.
+        sock.sendall(_head(header, LAYER_BYTES, in_place=True, timeout_ms=30_000) + header + bytes(LAYER_BYTES // 2))
+        time.sleep(0.3)  # the header is checked and the rest of the bytes awaited in recv
+        start = time.monotonic()
+        receiver.release("req-1")
+        assert time.monotonic() - start < 2, "release() must not wait for a stalled sender"
+        # Closed: the write was cut short (had release() come first, the payload would be awaited and skipped).
+        assert _closed_by_peer(sock)
+        with pytest.raises(OSError):  # nothing more can land in the handed-back blocks
+            for _ in range(100):
+                sock.sendall(bytes(LAYER_BYTES))
+                time.sleep(0.01)
+
+
+# --- peers in other processes, killed mid-transfer -------------------------------------------------------
+
+_RECEIVER_SCRIPT = """
+import sys, time, msgpack
+from kv_transfer import KVReceiver, make_ticket
+from kv_transfer.backends.tcp import TcpTransport
+from tests.kv_transfer.harness import make_side
+
+dst, _ = make_side(1, fill=False)
+receiver = KVReceiver(dst.caches[0], dst.layouts[0], "tcp")
+transport = TcpTransport()
+endpoint = transport.serve(receiver)
+ticket = make_ticket("req-1", "tcp", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, float(sys.argv[1]))
+receiver.expect(ticket)
+print(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex(), flush=True)
+time.sleep(600)
+"""
+
+_SENDER_SCRIPT = """
+import sys, time, msgpack, socket
+from kv_transfer import KVSender, KVTicket
+from kv_transfer.backends import tcp
+from tests.kv_transfer.harness import make_side
+from tests.kv_transfer.test_tcp_backend import _head, _in_place_header, _raw_connect, LAYER_BYTES
+
+print("ready", flush=True)
+ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()), raw=False))
+src, _ = make_side(1, fill=True)
+sender = KVSender(src.layouts[0], "m", tcp.TcpTransport())
+sender.start(ticket, [7, 8, 9, 10])
+for layer in (0, 1):
+    sender.send_layer("req-1", layer, src.caches[0][layer])
+while sender.poll("req-1").layers_sent < 2:
+    time.sleep(0.01)
+print("sent", flush=True)
+sock = _raw_connect(ticket.receiver_endpoints[0])  # layer 2: half its payload, then the process dies
+header = _in_place_header(ticket, layer=2)
+sock.sendall(_head(header, LAYER_BYTES, in_place=True, timeout_ms=600_000) + header + bytes(LAYER_BYTES // 2))
+print("stalled", flush=True)
+time.sleep(600)
+"""
+
+
+def _spawn(script: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """One line of the child's stdout, or fail (never hang) if it does not come."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not box or not box[0]:
+        proc.kill()
+        pytest.fail(f"child process gave no output within {timeout_s}s (exit code {proc.poll()})")
+    return box[0].strip()
+
+
+@pytest.fixture
+def spawn():
+    procs: list[subprocess.Popen] = []
+
+    def start(script: str, *args: str) -> subprocess.Popen:
+        procs.append(_spawn(script, *args))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_receiver_process_killed_mid_transfer(transports, spawn):
+    proc = spawn(_RECEIVER_SCRIPT, "20")
+    ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(_read_line(proc)), raw=False))
+    src, _ = make_side(1, fill=True)
+    sender = KVSender(src.layouts[0], "m", transports())
+    sender.start(ticket, [7, 8, 9, 10])
+    for layer in (0, 1):
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    assert wait_until(lambda: sender.poll("req-1").layers_sent == 2, timeout_s=10), sender.poll("req-1")
+
+    proc.kill()
+    proc.wait(10)
+    killed = time.monotonic()
+    sender.send_layer("req-1", 2, src.caches[0][2])
+    sender.finish("req-1", 1)
+    status = wait_terminal([lambda: sender.poll("req-1")], timeout_s=10)[0]
+    assert status.state is TransferState.FAILED
+    assert "ConnectionError" in status.reason, status.reason  # the dead peer, not the lease
+    assert time.monotonic() - killed < 5
+    sender.close()
+
+
+@pytest.mark.slow
+def test_sender_process_killed_mid_payload(transports, spawn):
+    server = transports(max_connections=2)
+    proc = spawn(_SENDER_SCRIPT)
+    assert _read_line(proc) == "ready"  # imports done: the lease starts now
+    receiver, ticket, dst = _serve_one(server, lease_s=30)
+    proc.stdin.write(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex() + "\n")
+    proc.stdin.flush()
+    assert _read_line(proc) == "sent"
+    assert _read_line(proc) == "stalled"
+    assert receiver.poll("req-1").layers_complete == 2
+
+    proc.kill()
+    proc.wait(10)
+    killed = time.monotonic()
+    # The kernel closes the dead sender's sockets: the receiver learns at once, not at lease expiry.
+    status = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=10)[0]
+    assert status.state is TransferState.FAILED and "layer 2+ payload not received" in status.reason
+    assert time.monotonic() - killed < 5
+    assert wait_until(lambda: server.num_connections() == 0)  # both connection threads are gone
+    receiver.release("req-1")
+    assert torch.all(dst.caches[0][0][:, 1:5] != 0)  # the layers that landed are whole
