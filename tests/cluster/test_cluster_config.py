@@ -129,7 +129,7 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
     [
         ({"mode": "split"}, r"mode='split' is not supported; use one of disagg, colocated"),
         ({"transport": "inproc"}, r"transport='inproc' cannot cross processes"),
-        ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of shm, grpc, torch"),
+        ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of shm, grpc, torch, tcp"),
         ({"dtype": "float64"}, r"dtype='float64' is not supported"),
         ({"device": "tpu"}, r"device='tpu' is not supported"),
         ({"block_size": 12}, r"block_size=12 must be a power of two"),
