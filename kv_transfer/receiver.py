@@ -186,14 +186,30 @@ class KVReceiver:
                 for layer_header in layers:
                     self._apply_layer(incoming, layer_header, payload, regions)
 
-    def begin_direct(self, raw_header: bytes, nbytes: int, num_pieces: int | None) -> DirectWrite:
+    def check_header(self, raw_header: bytes, nbytes: int) -> None:
+        """Refuse (TransferRefused) a chunk whose header is not authentic, or whose payload of
+        ``nbytes`` is larger than its ticket's blocks of every layer could hold, before a transport
+        allocates or reads that payload. ``apply`` checks everything again."""
+        with self._lock:
+            incoming, _ = self._authenticate(raw_header)
+            layout = self.layout
+            most = layout.num_layers * 2 * incoming.ticket.num_blocks * layout.block_size
+            most *= layout.num_kv_heads * layout.head_dim * _DTYPES[layout.dtype].itemsize
+            if nbytes > most:
+                self._refuse("shape", f"a payload of {nbytes} bytes; this ticket's blocks hold {most}")
+
+    def begin_direct(
+        self, raw_header: bytes, nbytes: int, num_pieces: int | None, abort: Callable[[], object] | None = None
+    ) -> DirectWrite:
         """Check a chunk whose payload the transport will receive in place, and reserve its targets.
 
         Only a chunk carrying every head of this shard, for blocks whose runs are few, qualifies;
         anything else is refused (the sender then sends the payload to be copied). A chunk may carry
         several layers (``header.batch``: those queued at the sender). ``num_pieces``: the messages
         the transport will receive into the targets one each (None: it streams bytes across them).
-        The caller must call ``end_direct`` exactly once afterwards, whatever happens to the payload."""
+        ``abort``: the transport's way to cut the payload short, registered before any ``release``
+        can see the write. The caller must call ``end_direct`` exactly once afterwards, whatever
+        happens to the payload."""
         with self._lock:
             incoming, header = self._authenticate(raw_header)
             if header.kind != "layer" or header.pulled or header.run_lengths is None:
@@ -239,6 +255,7 @@ class KVReceiver:
                 targets,
                 incoming.ticket.lease_deadline - time.time(),
                 incoming,
+                [abort] if abort is not None else [],
             )
             incoming.in_flight.append(write)
             return write
@@ -608,7 +625,7 @@ class KVReceiver:
 
     def _refuse(self, kind: str, message: str) -> NoReturn:
         self.refusals[kind] += 1
-        raise TransferRefused(message)
+        raise TransferRefused(message, kind)
 
 
 def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:

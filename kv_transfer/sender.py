@@ -377,6 +377,7 @@ class KVSender:
             or runs is None
             or len(runs) > MAX_DIRECT_RUNS
             or not all(kv.is_contiguous() for _, kv in layers)
+            or (layers[0][1].device.type != "cpu" and not channel.sends_device_pieces)
         ):
             return 0
         layer_bytes = self._segment_layer_bytes(out, layers[0][1], seg.num_heads)

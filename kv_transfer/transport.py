@@ -17,13 +17,20 @@ if TYPE_CHECKING:
 
 
 class TransferRefused(Exception):
-    """The receiver refused a chunk (bad signature, expired lease, checksum, layout); the reason says why."""
+    """The receiver refused a chunk (bad signature, expired lease, checksum, layout); the reason says why.
+
+    ``kind`` names the refusal as the receiver counts it (``KVReceiver.refusals``), "" if unknown."""
+
+    def __init__(self, message: str = "", kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class KVChannel(ABC):
     """A sender's connection to one receiver endpoint. Used by one sender thread at a time."""
 
     sends_in_place = False  # whether ``send_pieces`` may take a chunk (checked before preparing one)
+    sends_device_pieces = False  # whether ``send_pieces`` may take GPU tensors
     # Below this, a piece costs more as its own message than two copies of its bytes (~70 us a gloo
     # message, measured), so a sender copies several layers of such pieces into one payload instead.
     in_place_min_piece_bytes = 256 << 10

@@ -147,8 +147,7 @@ class _KVTransferServicer:
         """Each slice is copied as it arrives straight into the reserved blocks (no assembly buffer:
         one copy on this side). The receiver checked the header first; nothing is allocated. If the
         request is released meanwhile (a stalled sender, an aborted request), the call is cancelled."""
-        write = self.receiver.begin_direct(first.header, first.payload_size, None)
-        write.abort.append(context.cancel)
+        write = self.receiver.begin_direct(first.header, first.payload_size, None, abort=context.cancel)
         try:
             targets = [memoryview(t.numpy()) if t.device.type == "cpu" else t for t in write.targets]
             index, offset, filled, size = 0, 0, 0, first.payload_size

@@ -18,9 +18,9 @@ copies them into one message. On this machine a bare gloo send reaches ~0.4 of a
 a bare grpcio stream 0.3-0.6; this path is that raw stream.
 
 Refusals cost no round trip on the way: the payload follows its header at once, and a receiver that
-refuses the chunk (bad signature, expired lease, a cache that cannot take it in place) reads the
-payload and drops it before answering. A payload above ``max_payload_bytes`` is answered and the
-connection closed instead. A malformed head closes the connection.
+refuses the chunk from a valid ticket (expired lease, a duplicate, a cache that cannot take it in
+place) reads the payload and drops it before answering. A payload above ``max_payload_bytes`` or
+from no valid ticket is answered and the connection closed instead; a malformed head closes it.
 
 Deadlines: every send and receive carries the chunk's deadline (the sender's ``timeout_s``; on the
 receiver, no later than ``idle_s`` nor, for a chunk received in place, the ticket's lease).
@@ -28,9 +28,12 @@ receiver, no later than ``idle_s`` nor, for a chunk received in place, the ticke
 in blocks that were handed back. The sender opens a fresh connection after any error mid-chunk (the
 stream's position is lost) and after idling half the receiver's ``idle_s``.
 
-Trust: every length is checked against the receiver's limits before it reads or allocates; headers
-are signed msgpack (authenticated by ``KVReceiver``), payloads raw bytes; nothing is unpickled. The
-stream is plaintext: serve on loopback or a trusted network.
+Trust: every length is checked against the receiver's limits, and the header authenticated (signed
+msgpack, ``KVReceiver.check_header``), before a payload is read or anything allocated for it;
+payloads are raw bytes; nothing is unpickled. A chunk without a valid ticket (bad signature, unknown
+request, malformed header) closes its connection, so forged chunks cannot hold connection slots.
+A sender turned away (every slot taken) retries until its deadline. The stream is plaintext: serve
+on loopback or a trusted network.
 """
 
 from __future__ import annotations
@@ -64,11 +67,13 @@ _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 _BOUNCE_BYTES = 4 << 20  # a GPU cache is received through host memory in slices of this size
 _DISCARD_BYTES = 1 << 20
 _ACCEPT_POLL_S = 0.2  # how soon shutdown() stops the accept thread
+_ACCEPT_RETRY_S = 0.1  # after a failed accept (no descriptors left, say)
+_BUSY_RETRY_S = (0.01, 0.2)  # a sender turned away at its first, and longest, wait before trying again
 
 
 @dataclass(frozen=True)
 class TcpConfig:
-    max_connections: int = 64  # senders connected to one served endpoint; more are turned away
+    max_connections: int = 256  # senders connected to one served endpoint; more wait for a free slot
     max_payload_bytes: int = 1 << 30  # a larger chunk is refused before anything is allocated
     max_reused_bytes: int = 64 << 20  # a connection keeps its receive buffer up to this size
     connect_timeout_s: float = 10.0
@@ -102,6 +107,12 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str
         if received == 0:
             raise ConnectionError(f"{what}: the peer closed the connection")
         view = view[received:]
+
+
+def _recv_new(sock: socket.socket, nbytes: int, deadline: float, what: str) -> bytearray:
+    data = bytearray(nbytes)
+    _recv_into(sock, memoryview(data), deadline, what)
+    return data
 
 
 def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float, what: str) -> None:
@@ -189,11 +200,18 @@ class _Endpoint:
                 conn, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                if not self.stopped.is_set():
-                    logger.exception("tcp KV transport on port %d stopped accepting", self.port)
-                return
-            self._admit(conn)
+            except OSError as exc:
+                if self.stopped.is_set():
+                    return
+                # Out of descriptors or memory for now: the endpoint must outlive it.
+                logger.warning("tcp KV transport on port %d: accept failed (%s); retrying", self.port, exc)
+                self.stopped.wait(_ACCEPT_RETRY_S)
+                continue
+            try:
+                self._admit(conn)
+            except Exception:
+                logger.exception("tcp KV transport on port %d could not admit a sender", self.port)
+                self._forget(conn)
 
     def _admit(self, conn: socket.socket) -> None:
         cfg = self.config
@@ -242,53 +260,56 @@ class _Endpoint:
         if magic != _MAGIC or not 0 < header_len <= _MAX_HEADER_BYTES or in_place > 1:
             raise ConnectionError(f"malformed chunk head ({magic!r}, {header_len}-byte header)")
         deadline = time.monotonic() + min(max(timeout_ms, 1) / 1000, cfg.idle_s)
-        header = bytearray(header_len)
-        _recv_into(conn, memoryview(header), deadline, "receiving a chunk header")
+        header = bytes(_recv_new(conn, header_len, deadline, "receiving a chunk header"))
+        outcome: _Outcome
         if self.stopped.is_set():
-            status, reason, consumed = _UNAVAILABLE, "receiver shut down", False
+            outcome = _Outcome(_UNAVAILABLE, "receiver shut down", consumed=False, close=True)
         elif in_place:
-            status, reason, consumed = self._receive_in_place(conn, bytes(header), payload_len, deadline)
+            outcome = self._receive_in_place(conn, header, payload_len, deadline)
         elif payload_len > cfg.max_payload_bytes:
-            status, consumed = _REFUSED, False
             reason = f"payload of {payload_len} bytes exceeds this receiver's limit of {cfg.max_payload_bytes}"
+            outcome = _Outcome(_REFUSED, reason, consumed=False, close=True)
         else:
-            if payload_len > cfg.max_reused_bytes:
-                received = bytearray(payload_len)
-            else:
-                if len(buffer) < payload_len:
-                    buffer = bytearray(payload_len)
-                received = buffer
-            payload = memoryview(received)[:payload_len]
-            _recv_into(conn, payload, deadline, "receiving a chunk payload")
-            status, reason = _verdict_of(lambda: self.receiver.apply(bytes(header), payload))
-            consumed = True
-        if not consumed:
-            if payload_len > cfg.max_payload_bytes or self.stopped.is_set():
-                _send_verdict(conn, status, reason, deadline)
-                raise ConnectionError(f"closing after a refused chunk of {payload_len} bytes: {reason}")
+            buffer, outcome = self._receive_copied(conn, header, payload_len, buffer, deadline)
+        if not outcome.consumed and not outcome.close:
             _discard(conn, payload_len, deadline)
-        _send_verdict(conn, status, reason, deadline)
+        _send_verdict(conn, outcome.status, outcome.reason, deadline)
+        if outcome.close:
+            raise ConnectionError(f"closed after a refused chunk: {outcome.reason}")
         return buffer
 
-    def _receive_in_place(
-        self, conn: socket.socket, header: bytes, nbytes: int, deadline: float
-    ) -> tuple[int, str, bool]:
-        """(verdict status, reason, whether the payload was read off the connection)."""
-        try:
-            write = self.receiver.begin_direct(header, nbytes, None)
-        except NotInPlace as exc:
-            return _DECLINED, str(exc), False
-        except TransferRefused as exc:
-            return _REFUSED, str(exc), False
-        except Exception as exc:
-            logger.exception("checking a KV chunk failed")
-            return _UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", False
+    def _receive_copied(
+        self, conn: socket.socket, header: bytes, nbytes: int, buffer: bytearray, deadline: float
+    ) -> tuple[bytearray, _Outcome]:
+        """A payload into the connection's reused buffer, then ``apply``; nothing is allocated for
+        a chunk whose header is not authentic or whose size its ticket could not hold."""
+        refused = _refusal(lambda: self.receiver.check_header(header, nbytes), consumed=False)
+        if refused is not None:
+            return buffer, refused
+        if nbytes > self.config.max_reused_bytes:
+            received = bytearray(nbytes)
+        else:
+            if len(buffer) < nbytes:
+                buffer = bytearray(nbytes)
+            received = buffer
+        payload = memoryview(received)[:nbytes]
+        _recv_into(conn, payload, deadline, "receiving a chunk payload")
+        return buffer, _refusal(lambda: self.receiver.apply(header, payload), consumed=True) or _Outcome(_OK, "")
 
+    def _receive_in_place(self, conn: socket.socket, header: bytes, nbytes: int, deadline: float) -> _Outcome:
         def abort() -> None:  # release() during the payload: nothing more lands in these blocks
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
-        write.abort.append(abort)
+        try:
+            write = self.receiver.begin_direct(header, nbytes, None, abort=abort)
+        except NotInPlace as exc:
+            return _Outcome(_DECLINED, str(exc), consumed=False)
+        except TransferRefused as exc:
+            return _Outcome(_REFUSED, str(exc), consumed=False, close=exc.kind in _UNTRUSTED)
+        except Exception as exc:
+            logger.exception("checking a KV chunk failed")
+            return _Outcome(_UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", consumed=False)
         deadline = min(deadline, time.monotonic() + write.lease_left_s)
         try:
             _recv_targets(conn, write.targets, deadline)
@@ -296,7 +317,7 @@ class _Endpoint:
             with contextlib.suppress(TransferRefused):
                 self.receiver.end_direct(write, received=False, reason=str(exc) or type(exc).__name__)
             raise
-        return *_verdict_of(lambda: self.receiver.end_direct(write, received=True)), True
+        return _refusal(lambda: self.receiver.end_direct(write, received=True), consumed=True) or _Outcome(_OK, "")
 
     def shutdown(self, join_s: float) -> None:
         self.stopped.set()
@@ -351,15 +372,30 @@ def _discard(conn: socket.socket, nbytes: int, deadline: float) -> None:
         nbytes -= step
 
 
-def _verdict_of(land: Callable[[], None]) -> tuple[int, str]:
+# Refusals that say the sender holds no valid ticket here: its connection is closed rather than
+# kept (an unauthenticated peer must not hold connection slots by sending forged chunks).
+_UNTRUSTED = frozenset({"malformed", "unknown_ticket", "bad_signature"})
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    status: int
+    reason: str
+    consumed: bool = True  # the payload was read off the connection (if not: skipped, or the connection closed)
+    close: bool = False
+
+
+def _refusal(land: Callable[[], None], consumed: bool) -> _Outcome | None:
+    """None if ``land`` succeeds; otherwise the verdict that says why. ``consumed``: whether the
+    chunk's payload has been read off the connection by then."""
     try:
         land()
-        return _OK, ""
+        return None
     except TransferRefused as exc:
-        return _REFUSED, str(exc)
+        return _Outcome(_REFUSED, str(exc), consumed, close=exc.kind in _UNTRUSTED)
     except Exception as exc:
         logger.exception("applying a KV chunk failed")
-        return _UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}"
+        return _Outcome(_UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", consumed)
 
 
 # --- sender side -----------------------------------------------------------------------------
@@ -436,28 +472,41 @@ class _TcpChannel(KVChannel):
         sock = self._sock
         if sock is not None and (time.monotonic() - self._last_used > self.config.idle_s / 2 or _readable(sock)):
             self._drop()  # idle (the receiver closes such connections) or closed by the receiver
-        if self._sock is None:
-            try:
-                timeout = min(self.config.connect_timeout_s, _time_left(deadline, f"connecting to {self.endpoint}"))
-                sock = socket.create_connection((self.host, self.port), timeout=timeout)
-            except TimeoutError:
-                raise TimeoutError(f"connecting to {self.endpoint}: timed out") from None
-            except OSError as exc:
-                raise ConnectionError(f"no KV receiver at {self.endpoint}: {exc}") from None
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                status, reason = _recv_verdict(
-                    sock, min(deadline, time.monotonic() + self.config.connect_timeout_s), "connecting"
-                )
-            except OSError as exc:
-                sock.close()
-                raise ConnectionError(f"{self.endpoint} did not greet: {exc}") from None
-            if status != _OK:
-                sock.close()
+        wait = _BUSY_RETRY_S[0]
+        while self._sock is None:
+            status, reason = self._connect(deadline)
+            if status == _OK:
+                break
+            # Turned away before sending anything (every slot taken): safe to try again, until the deadline.
+            if time.monotonic() + wait >= deadline:
                 raise ConnectionError(f"{self.endpoint} turned this sender away: {reason}")
-            self._sock = sock
+            time.sleep(wait)
+            wait = min(2 * wait, _BUSY_RETRY_S[1])
         assert self._sock is not None
         return self._sock
+
+    def _connect(self, deadline: float) -> tuple[int, str]:
+        """One connection attempt: the receiver's greeting, with the connection kept if it is OK."""
+        try:
+            timeout = min(self.config.connect_timeout_s, _time_left(deadline, f"connecting to {self.endpoint}"))
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        except TimeoutError:
+            raise TimeoutError(f"connecting to {self.endpoint}: timed out") from None
+        except OSError as exc:
+            raise ConnectionError(f"no KV receiver at {self.endpoint}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            status, reason = _recv_verdict(
+                sock, min(deadline, time.monotonic() + self.config.connect_timeout_s), "connecting"
+            )
+        except OSError as exc:
+            sock.close()
+            raise ConnectionError(f"{self.endpoint} did not greet: {exc}") from None
+        if status == _OK:
+            self._sock = sock
+        else:
+            sock.close()
+        return status, reason
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -466,6 +515,12 @@ class _TcpChannel(KVChannel):
             self._sock = None
 
     def close(self) -> None:
+        # Not under the lock first: a chunk in flight holds it until its deadline. Shutting the
+        # socket down ends that exchange at once (it fails with ConnectionError and drops it).
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             self._drop()
 

@@ -443,6 +443,7 @@ class _TorchDistChannel(KVChannel):
         self._head = torch.zeros(_HEAD_BYTES, dtype=torch.uint8)
         self._verdict = torch.zeros(_VERDICT_BYTES, dtype=torch.uint8)
         self.sends_in_place = True  # until the receiver declines it once
+        self.sends_device_pieces = True  # GPU pieces travel over NCCL
 
     def send(self, header: bytes, payload: memoryview | bytes | torch.Tensor, timeout_s: float) -> None:
         with self._lock:

@@ -165,25 +165,50 @@ def test_oversized_payload_is_refused_before_allocating(transports, monkeypatch)
     assert _untouched(dst)
 
 
-def test_refused_chunks_are_drained_and_the_connection_stays(transports):
+def test_refusals_for_a_valid_ticket_skip_the_payload_and_keep_the_connection(transports):
     server = transports()
     receiver, ticket, dst = _serve_one(server)
     channel = transports().connect(ticket.receiver_endpoints[0])
-    header, payload = _copied_chunk(ticket, secret=b"not the ticket's secret")
-    with pytest.raises(TransferRefused, match="signature"):
-        channel.send(header, payload, 5)
+    channel.send(*_copied_chunk(ticket, layer=0), 5)
     first = channel._sock
-    # A forged chunk sent in place is refused before its payload lands; its bytes are skipped too.
-    forged = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=LAYER_BYTES, run_lengths=[4])
-    pieces = [torch.ones(LAYER_BYTES // 2, dtype=torch.uint8)] * 2
-    with pytest.raises(TransferRefused, match="signature"):
-        channel.send_pieces(encode_header(forged, b"wrong"), pieces, 5)
+    with pytest.raises(TransferRefused, match="already landed"):  # copied, then refused: payload skipped
+        channel.send(*_copied_chunk(ticket, layer=0, value=9.0), 5)
+    pieces = [torch.full((LAYER_BYTES // 8,), 9.0), torch.full((LAYER_BYTES // 8,), 9.0)]
+    with pytest.raises(TransferRefused, match="already landed"):  # in place: refused before any byte lands
+        channel.send_pieces(_in_place_header(ticket, layer=0), pieces, 5)
     assert channel.sends_in_place  # refused, not declined
-    header, payload = _copied_chunk(ticket, value=2.0)
-    channel.send(header, payload, 5)
+    channel.send(*_copied_chunk(ticket, layer=1, value=2.0), 5)
     assert channel._sock is first and server.num_connections() == 1  # one connection throughout
-    assert torch.all(dst.caches[0][0][:, 1:5] == 2)
-    assert receiver.refusals["bad_signature"] == 2
+    assert torch.all(dst.caches[0][0][:, 1:5] == 1) and torch.all(dst.caches[0][1][:, 1:5] == 2)
+    assert receiver.refusals["duplicate"] == 2
+
+
+def test_chunks_without_a_valid_ticket_close_their_connection_before_anything_is_allocated(transports, monkeypatch):
+    allocated: list[int] = []
+    real = bytearray
+    monkeypatch.setattr(tcp, "bytearray", lambda n=0: allocated.append(n) or real(n), raising=False)
+    server = transports()
+    receiver, ticket, dst = _serve_one(server)
+    forged, _ = _copied_chunk(ticket, secret=b"not the ticket's secret")
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:  # claims 512 MiB (under the 1 GiB limit), sends 1 KiB
+        sock.sendall(_head(forged, 512 << 20) + forged + bytes(1024))
+        status, reason = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        assert status == tcp._REFUSED and "signature" in reason
+        assert _closed_by_peer(sock)  # no slot held, no payload awaited
+    assert max(allocated, default=0) < 1 << 20
+    # Through a channel, in place and copied: refused (or cut off), and the connection is not kept.
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    pieces = [torch.ones(LAYER_BYTES // 2, dtype=torch.uint8)] * 2
+    forged_in_place = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=LAYER_BYTES, run_lengths=[4])
+    with pytest.raises((TransferRefused, ConnectionError)):
+        channel.send_pieces(encode_header(forged_in_place, b"wrong"), pieces, 5)
+    assert wait_until(lambda: server.num_connections() == 0)
+    with pytest.raises((TransferRefused, ConnectionError)):
+        channel.send(*_copied_chunk(ticket, secret=b"wrong"), 5)
+    assert wait_until(lambda: server.num_connections() == 0)
+    assert receiver.refusals["bad_signature"] == 3 and _untouched(dst)
+    channel.send(*_copied_chunk(ticket, layer=2), 5)  # the sender connects afresh for a valid chunk
+    assert torch.all(dst.caches[0][2][:, 1:5] == 1)
 
 
 def test_a_payload_that_stops_short_fails_the_request_and_frees_its_blocks(transports):
@@ -212,18 +237,84 @@ def test_an_in_place_chunk_lands_from_a_raw_client(transports):
 # --- limits, idling, deadlines ----------------------------------------------------------------------
 
 
-def test_connections_beyond_the_limit_are_turned_away(transports):
+def test_a_sender_turned_away_waits_for_a_free_slot_until_its_deadline(transports):
     server = transports(max_connections=1)
     _receiver, ticket, dst = _serve_one(server)
     first = transports().connect(ticket.receiver_endpoints[0])
-    header, payload = _copied_chunk(ticket, layer=0)
-    first.send(header, payload, 5)
-    with pytest.raises(ConnectionError, match="limit of 1 connections"):
-        transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=1), 5)
-    first.close()
-    assert wait_until(lambda: server.num_connections() == 0)
+    first.send(*_copied_chunk(ticket, layer=0), 5)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="limit of 1 connections"):  # no slot frees within 0.5 s
+        transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=1), 0.5)
+    assert time.monotonic() - start < 2
+    threading.Timer(0.3, first.close).start()  # a slot frees while the next sender waits
     transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=1), 5)
     assert torch.all(dst.caches[0][1][:, 1:5] == 1)
+
+
+def test_the_endpoint_outlives_failed_accepts(transports):
+    server = transports()
+    _receiver, ticket, dst = _serve_one(server)
+    endpoint = server._endpoints[0]
+
+    class Exhausted:  # accept() fails as it does without file descriptors, three times
+        def __init__(self, listener) -> None:
+            self.listener, self.failures = listener, 3
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(24, "Too many open files")
+            return self.listener.accept()
+
+        def close(self) -> None:
+            self.listener.close()
+
+    exhausted = endpoint._listener = Exhausted(endpoint._listener)
+    assert wait_until(lambda: exhausted.failures == 0)  # the accept thread met every failure...
+    transports().connect(ticket.receiver_endpoints[0]).send(*_copied_chunk(ticket, layer=0), 10)
+    assert torch.all(dst.caches[0][0][:, 1:5] == 1)  # ...and still serves
+
+
+def test_closing_a_channel_ends_its_chunk_in_flight_at_once(transports):
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # greets, then never answers
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        greeting = tcp._VERDICT.pack(tcp._OK, 0)
+        threading.Thread(target=lambda: listener.accept()[0].sendall(greeting), daemon=True).start()
+        channel = transports().connect(endpoint)
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                channel.send(b"h", b"x" * 10, 30)
+            except BaseException as exc:
+                failed.append(exc)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        channel.close()
+        sender.join(5)
+        assert time.monotonic() - start < 2 and not sender.is_alive()
+        assert failed and isinstance(failed[0], ConnectionError)
+
+
+def test_release_finds_the_abort_hook_of_a_write_just_begun():
+    # The hook is registered under the receiver's lock with the write itself: no window in which
+    # release() would see the write but not its way to cut it short.
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "tcp")
+    ticket = make_ticket("req-1", "tcp", ["tcp://127.0.0.1:1"], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30)
+    receiver.expect(ticket)
+    aborted = threading.Event()
+    write = receiver.begin_direct(_in_place_header(ticket), LAYER_BYTES, None, abort=aborted.set)
+    releasing = threading.Thread(target=receiver.release, args=("req-1",))
+    releasing.start()
+    assert aborted.wait(5)
+    with pytest.raises(TransferRefused, match="released"):
+        receiver.end_direct(write, received=False, reason="aborted")
+    releasing.join(5)
+    assert not releasing.is_alive()
 
 
 def test_idle_connections_close_and_senders_connect_again(transports):
