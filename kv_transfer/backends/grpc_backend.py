@@ -181,6 +181,7 @@ class _KVTransferServicer:
         size = first.payload_size
         if size > self.max_payload_bytes:
             raise TransferRefused(f"payload of {size} bytes exceeds this receiver's limit of {self.max_payload_bytes}")
+        self.receiver.check_header(first.header, size)  # before anything is allocated for it
         data = first.data
         if not data and size:
             data = self._next_data(pieces, 0, size)

@@ -354,6 +354,10 @@ class _Endpoint:
                         deadline,
                     )
                     continue
+                status, reason = self._check(header, payload_len)
+                if status != _OK:  # before anything is allocated for it; the sender holds its payload back
+                    _send_verdict(pair, verdict, status, reason, deadline)
+                    continue
                 _send_verdict(pair, verdict, _OK, "", deadline)
                 if device:
                     target = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
@@ -395,6 +399,9 @@ class _Endpoint:
                 self.receiver.end_direct(write, received=False, reason=str(exc))
             raise
         return *self._verdict_of(lambda: self.receiver.end_direct(write, received=True)), True
+
+    def _check(self, header: bytes, payload_len: int) -> tuple[int, str]:
+        return self._verdict_of(lambda: self.receiver.check_header(header, payload_len))
 
     def _apply(self, header: bytes, payload: memoryview | bytes) -> tuple[int, str]:
         return self._verdict_of(lambda: self.receiver.apply(header, payload))

@@ -177,6 +177,22 @@ def test_oversized_payload_is_refused_before_allocating(transports, monkeypatch)
     assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
 
 
+def test_forged_chunk_is_refused_before_allocating(transports, monkeypatch):
+    allocations: list[int] = []
+    real_allocate = grpc_backend._allocate
+    monkeypatch.setattr(grpc_backend, "_allocate", lambda n: allocations.append(n) or real_allocate(n))
+    receiver, ticket, dst = _serve_one(transports())
+    forged = encode_header(
+        ChunkHeader(kind="layer", request_id="req-1", sender_rank=0, sender_tp=1, receiver_rank=0), b"x"
+    )
+    pieces = [kv_transfer_pb2.Piece(header=forged, payload_size=512 << 20, data=bytes(1024))]  # claims 512 MiB
+    with grpc.insecure_channel(ticket.receiver_endpoints[0].removeprefix("grpc://")) as channel:
+        ack = kv_transfer_pb2_grpc.KVTransferStub(channel).Push(iter(pieces), timeout=5)
+    assert not ack.ok and "signature" in ack.reason
+    assert allocations == [] and receiver.refusals["bad_signature"] == 1
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
 def test_short_stream_is_refused_and_writes_nothing(transports):
     receiver, ticket, dst = _serve_one(transports())
     header, payload = _layer_chunk(ticket, layer=0)
@@ -194,6 +210,9 @@ def test_short_stream_is_refused_and_writes_nothing(transports):
 class _StuckReceiver:
     def __init__(self) -> None:
         self.release = threading.Event()
+
+    def check_header(self, raw_header, nbytes) -> None:
+        pass
 
     def apply(self, raw_header, payload) -> None:
         self.release.wait(10)
