@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -23,8 +22,7 @@ from kv_transfer.protocol import ChunkHeader, encode_header
 from kv_transfer.transport import TransferRefused
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.kv_transfer.processes import read_line
 
 
 @pytest.fixture
@@ -275,8 +273,9 @@ _SENDER_SCRIPT = """
 import sys, time, grpc, msgpack
 from kv_transfer import KVSender, KVTicket
 from kv_transfer.backends.grpc_backend import GrpcTransport
+from kv_transfer.protocol import encode_header
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
-from tests.kv_transfer.harness import make_side
+from tests.kv_transfer.harness import layer_chunk_header, make_side
 
 print("ready", flush=True)
 ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()), raw=False))
@@ -289,8 +288,9 @@ while sender.poll("req-1").layers_sent < 2:
     time.sleep(0.01)
 print("sent", flush=True)
 
-def stalled():  # a chunk that declares 1 MiB, sends 1 KiB and then never another byte
-    yield kv_transfer_pb2.Piece(header=b"h", payload_size=1 << 20)
+def stalled():  # layer 2, properly signed: half its 2 KiB payload, then never another byte
+    header = layer_chunk_header(layer=2, num_heads=2, num_blocks=4, nbytes=2048)
+    yield kv_transfer_pb2.Piece(header=encode_header(header, ticket.secret), payload_size=2048)
     yield kv_transfer_pb2.Piece(data=bytes(1024))
     print("stalled", flush=True)
     time.sleep(600)
@@ -301,48 +301,10 @@ kv_transfer_pb2_grpc.KVTransferStub(channel).Push(stalled(), timeout=600)
 """
 
 
-def _spawn(script: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *args],
-        cwd=REPO,
-        env=env,
-        text=True,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-
-
-def _read_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
-    """One line of the child's stdout, or fail (never hang) if it does not come."""
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not box or not box[0]:
-        proc.kill()
-        pytest.fail(f"child process gave no output within {timeout_s}s (exit code {proc.poll()})")
-    return box[0].strip()
-
-
-@pytest.fixture
-def spawn():
-    procs: list[subprocess.Popen] = []
-
-    def start(script: str, *args: str) -> subprocess.Popen:
-        procs.append(_spawn(script, *args))
-        return procs[-1]
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(10)
-
-
 def test_receiver_process_killed_mid_transfer(transports, spawn):
     lease_s = 20.0
     proc = spawn(_RECEIVER_SCRIPT, str(lease_s))
-    ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(_read_line(proc)), raw=False))
+    ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(read_line(proc)), raw=False))
     src, _ = make_side(1, fill=True)
     sender = KVSender(src.layouts[0], "m", transports())
     sender.start(ticket, [7, 8, 9, 10])
@@ -366,16 +328,16 @@ def test_receiver_process_killed_mid_transfer(transports, spawn):
 
 
 def test_sender_process_killed_mid_transfer(transports, spawn):
-    lease_s = 4.0
+    lease_s = 6.0
     # One worker thread: a chunk left hanging by the dead sender must give it back.
     server = transports(max_workers=1)
     proc = spawn(_SENDER_SCRIPT)
-    assert _read_line(proc) == "ready"  # imports done: the lease starts now
+    assert read_line(proc) == "ready"  # imports done: the lease starts now
     receiver, ticket, dst = _serve_one(server, lease_s=lease_s)
     proc.stdin.write(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex() + "\n")
     proc.stdin.flush()
-    assert _read_line(proc) == "sent"
-    assert _read_line(proc) == "stalled"
+    assert read_line(proc) == "sent"
+    assert read_line(proc) == "stalled"
     status = receiver.poll("req-1")
     assert status.state is TransferState.TRANSFERRING and status.layers_complete == 2
 

@@ -4,14 +4,11 @@ mid-transfer (real processes, SIGKILL)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -23,8 +20,8 @@ from kv_transfer.backends.tcp import TcpConfig, TcpTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.transport import TransferRefused
 from tests.kv_transfer.harness import layer_chunk_header, make_side, wait_terminal, wait_until
+from tests.kv_transfer.processes import read_line
 
-REPO = Path(__file__).resolve().parents[2]
 LAYER_BYTES = 2 * 4 * 4 * 2 * 8 * 4  # the harness's default shard: K and V of 4 blocks, 4 tokens x 2 heads x 8, fp32
 
 
@@ -419,48 +416,10 @@ time.sleep(600)
 """
 
 
-def _spawn(script: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *args],
-        cwd=REPO,
-        env=env,
-        text=True,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-
-
-def _read_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
-    """One line of the child's stdout, or fail (never hang) if it does not come."""
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not box or not box[0]:
-        proc.kill()
-        pytest.fail(f"child process gave no output within {timeout_s}s (exit code {proc.poll()})")
-    return box[0].strip()
-
-
-@pytest.fixture
-def spawn():
-    procs: list[subprocess.Popen] = []
-
-    def start(script: str, *args: str) -> subprocess.Popen:
-        procs.append(_spawn(script, *args))
-        return procs[-1]
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(10)
-
-
 @pytest.mark.slow
 def test_receiver_process_killed_mid_transfer(transports, spawn):
     proc = spawn(_RECEIVER_SCRIPT, "20")
-    ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(_read_line(proc)), raw=False))
+    ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(read_line(proc)), raw=False))
     src, _ = make_side(1, fill=True)
     sender = KVSender(src.layouts[0], "m", transports())
     sender.start(ticket, [7, 8, 9, 10])
@@ -484,12 +443,12 @@ def test_receiver_process_killed_mid_transfer(transports, spawn):
 def test_sender_process_killed_mid_payload(transports, spawn):
     server = transports(max_connections=2)
     proc = spawn(_SENDER_SCRIPT)
-    assert _read_line(proc) == "ready"  # imports done: the lease starts now
+    assert read_line(proc) == "ready"  # imports done: the lease starts now
     receiver, ticket, dst = _serve_one(server, lease_s=30)
     proc.stdin.write(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex() + "\n")
     proc.stdin.flush()
-    assert _read_line(proc) == "sent"
-    assert _read_line(proc) == "stalled"
+    assert read_line(proc) == "sent"
+    assert read_line(proc) == "stalled"
     assert receiver.poll("req-1").layers_complete == 2
 
     proc.kill()
