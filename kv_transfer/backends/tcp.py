@@ -46,7 +46,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -272,7 +272,10 @@ class _Endpoint:
         else:
             buffer, outcome = self._receive_copied(conn, header, payload_len, buffer, deadline)
         if not outcome.consumed and not outcome.close:
-            _discard(conn, payload_len, deadline)
+            if payload_len > cfg.max_payload_bytes:  # not worth skipping: close instead
+                outcome = replace(outcome, close=True)
+            else:
+                _discard(conn, payload_len, deadline)
         _send_verdict(conn, outcome.status, outcome.reason, deadline)
         if outcome.close:
             raise ConnectionError(f"closed after a refused chunk: {outcome.reason}")

@@ -208,6 +208,17 @@ def test_chunks_without_a_valid_ticket_close_their_connection_before_anything_is
     assert torch.all(dst.caches[0][2][:, 1:5] == 1)
 
 
+def test_a_refused_in_place_chunk_too_large_to_skip_closes_the_connection(transports):
+    receiver, ticket, dst = _serve_one(transports(max_payload_bytes=1 << 20))
+    header = _in_place_header(ticket)  # authentic, but its declared size does not match its layers
+    with _raw_connect(ticket.receiver_endpoints[0]) as sock:
+        sock.sendall(_head(header, 1 << 40, in_place=True) + header + bytes(1024))
+        status, reason = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        assert status == tcp._REFUSED and "bytes, expected" in reason
+        assert _closed_by_peer(sock)  # not 1 TiB skipped: closed
+    assert receiver.refusals["shape"] == 1 and _untouched(dst)
+
+
 def test_a_payload_that_stops_short_fails_the_request_and_frees_its_blocks(transports):
     receiver, ticket, _dst = _serve_one(transports())
     header = _in_place_header(ticket)
