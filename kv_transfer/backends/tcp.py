@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 SCHEME = "tcp://"
 _MAGIC = b"KVT1"
 _HEAD = struct.Struct("<4sIQIB")  # magic, header_len, payload_len, timeout_ms, in_place
-_VERDICT = struct.Struct("<BH")  # status, reason_len; then the reason (also the greeting)
+_VERDICT = struct.Struct("<B?H")  # status, closing (the receiver closes the connection), reason_len; then the reason
 _MAX_HEADER_BYTES = 64 << 10
 _MAX_REASON_BYTES = 1024
 _OK, _REFUSED, _UNAVAILABLE, _DECLINED = 0, 1, 2, 3
@@ -131,20 +131,22 @@ def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float, w
                 sent = 0
 
 
-def _send_verdict(sock: socket.socket, status: int, reason: str, deadline: float) -> None:
+def _send_verdict(sock: socket.socket, status: int, reason: str, deadline: float, closing: bool = False) -> None:
+    """Also the greeting. ``closing``: the connection ends after it (the sender must not reuse it)."""
     data = reason.encode()[:_MAX_REASON_BYTES]
-    _send_all(sock, [memoryview(_VERDICT.pack(status, len(data))), memoryview(data)], deadline, "sending a verdict")
+    head = _VERDICT.pack(status, closing, len(data))
+    _send_all(sock, [memoryview(head), memoryview(data)], deadline, "sending a verdict")
 
 
-def _recv_verdict(sock: socket.socket, deadline: float, what: str) -> tuple[int, str]:
+def _recv_verdict(sock: socket.socket, deadline: float, what: str) -> tuple[int, str, bool]:
     fixed = bytearray(_VERDICT.size)
     _recv_into(sock, memoryview(fixed), deadline, what)
-    status, reason_len = _VERDICT.unpack(fixed)
+    status, closing, reason_len = _VERDICT.unpack(fixed)
     if reason_len > _MAX_REASON_BYTES or status not in (_OK, _REFUSED, _UNAVAILABLE, _DECLINED):
         raise ConnectionError(f"{what}: malformed verdict (status {status}, reason of {reason_len} bytes)")
     reason = bytearray(reason_len)
     _recv_into(sock, memoryview(reason), deadline, what)
-    return status, reason.decode(errors="replace")
+    return status, reason.decode(errors="replace"), closing
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -226,7 +228,7 @@ class _Endpoint:
             if not admitted:
                 reason = f"receiver at its limit of {cfg.max_connections} connections"
                 logger.warning("tcp KV transport on port %d turned a sender away: %s", self.port, reason)
-                _send_verdict(conn, _UNAVAILABLE, reason, deadline)
+                _send_verdict(conn, _UNAVAILABLE, reason, deadline, closing=True)
                 conn.close()
                 return
             _send_verdict(conn, _OK, "", deadline)
@@ -276,7 +278,7 @@ class _Endpoint:
                 outcome = replace(outcome, close=True)
             else:
                 _discard(conn, payload_len, deadline)
-        _send_verdict(conn, outcome.status, outcome.reason, deadline)
+        _send_verdict(conn, outcome.status, outcome.reason, deadline, closing=outcome.close)
         if outcome.close:
             raise ConnectionError(f"closed after a refused chunk: {outcome.reason}")
         return buffer
@@ -457,10 +459,12 @@ class _TcpChannel(KVChannel):
                     _send_all(sock, [memoryview(head), memoryview(header), *parts], deadline, "sending a chunk")
                 except (BrokenPipeError, ConnectionResetError):
                     # The receiver answered and closed early (a chunk over its limit): read why.
-                    status, reason = _recv_verdict(sock, min(deadline, time.monotonic() + 1.0), "reading a refusal")
+                    status, reason, _ = _recv_verdict(sock, min(deadline, time.monotonic() + 1.0), "reading a refusal")
                     self._drop()
                     return status, reason
-                status, reason = _recv_verdict(sock, deadline, "waiting for the receiver's verdict")
+                status, reason, closing = _recv_verdict(sock, deadline, "waiting for the receiver's verdict")
+                if closing:  # a refusal that ends the connection: the next chunk takes a fresh one
+                    self._drop()
             except TimeoutError:
                 self._drop()  # mid-chunk, the stream's position is lost: never reuse it
                 raise TimeoutError(f"no verdict from {self.endpoint} within {timeout_s:.1f}s") from None
@@ -499,7 +503,7 @@ class _TcpChannel(KVChannel):
             raise ConnectionError(f"no KV receiver at {self.endpoint}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            status, reason = _recv_verdict(
+            status, reason, _ = _recv_verdict(
                 sock, min(deadline, time.monotonic() + self.config.connect_timeout_s), "connecting"
             )
         except OSError as exc:

@@ -65,7 +65,7 @@ def _raw_connect(endpoint: str) -> socket.socket:
     """A client that speaks the wire format by hand: connected and greeted."""
     host, port = tcp._split_endpoint(endpoint)
     sock = socket.create_connection((host, port), timeout=5)
-    assert tcp._recv_verdict(sock, time.monotonic() + 5, "greeting") == (tcp._OK, "")
+    assert tcp._recv_verdict(sock, time.monotonic() + 5, "greeting") == (tcp._OK, "", False)
     return sock
 
 
@@ -148,7 +148,8 @@ def test_oversized_payload_is_refused_before_allocating(transports, monkeypatch)
     header, _ = _copied_chunk(ticket)
     with _raw_connect(ticket.receiver_endpoints[0]) as sock:  # declares 1 TiB, against the default 1 GiB limit
         sock.sendall(_head(header, 1 << 40) + header)
-        status, reason = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        status, reason, closing = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        assert closing
         assert status == tcp._REFUSED and "exceeds" in reason
         assert _closed_by_peer(sock)  # not drained: closed
     assert max(allocated, default=0) < 1 << 20
@@ -189,7 +190,8 @@ def test_chunks_without_a_valid_ticket_close_their_connection_before_anything_is
     forged, _ = _copied_chunk(ticket, secret=b"not the ticket's secret")
     with _raw_connect(ticket.receiver_endpoints[0]) as sock:  # claims 512 MiB (under the 1 GiB limit), sends 1 KiB
         sock.sendall(_head(forged, 512 << 20) + forged + bytes(1024))
-        status, reason = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        status, reason, closing = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        assert closing
         assert status == tcp._REFUSED and "signature" in reason
         assert _closed_by_peer(sock)  # no slot held, no payload awaited
     assert max(allocated, default=0) < 1 << 20
@@ -199,6 +201,7 @@ def test_chunks_without_a_valid_ticket_close_their_connection_before_anything_is
     forged_in_place = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=LAYER_BYTES, run_lengths=[4])
     with pytest.raises((TransferRefused, ConnectionError)):
         channel.send_pieces(encode_header(forged_in_place, b"wrong"), pieces, 5)
+    assert channel._sock is None  # told the connection ends: not reused, however late the close arrives
     assert wait_until(lambda: server.num_connections() == 0)
     with pytest.raises((TransferRefused, ConnectionError)):
         channel.send(*_copied_chunk(ticket, secret=b"wrong"), 5)
@@ -213,7 +216,8 @@ def test_a_refused_in_place_chunk_too_large_to_skip_closes_the_connection(transp
     header = _in_place_header(ticket)  # authentic, but its declared size does not match its layers
     with _raw_connect(ticket.receiver_endpoints[0]) as sock:
         sock.sendall(_head(header, 1 << 40, in_place=True) + header + bytes(1024))
-        status, reason = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        status, reason, closing = tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")
+        assert closing
         assert status == tcp._REFUSED and "bytes, expected" in reason
         assert _closed_by_peer(sock)  # not 1 TiB skipped: closed
     assert receiver.refusals["shape"] == 1 and _untouched(dst)
@@ -236,7 +240,7 @@ def test_an_in_place_chunk_lands_from_a_raw_client(transports):
     k, v = torch.full((LAYER_BYTES // 8,), 3.0), torch.full((LAYER_BYTES // 8,), 4.0)
     with _raw_connect(ticket.receiver_endpoints[0]) as sock:
         sock.sendall(_head(header, LAYER_BYTES, in_place=True) + header + k.numpy().tobytes() + v.numpy().tobytes())
-        assert tcp._recv_verdict(sock, time.monotonic() + 5, "verdict") == (tcp._OK, "")
+        assert tcp._recv_verdict(sock, time.monotonic() + 5, "verdict") == (tcp._OK, "", False)
     assert torch.all(dst.caches[0][1][0, 1:5] == 3) and torch.all(dst.caches[0][1][1, 1:5] == 4)
     assert torch.count_nonzero(dst.caches[0][1][:, 5:]) == 0 and torch.count_nonzero(dst.caches[0][1][:, :1]) == 0
     assert receiver.stats("req-1").in_place_bytes == LAYER_BYTES
@@ -286,7 +290,7 @@ def test_the_endpoint_outlives_failed_accepts(transports):
 def test_closing_a_channel_ends_its_chunk_in_flight_at_once(transports):
     with socket.create_server(("127.0.0.1", 0)) as listener:  # greets, then never answers
         endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-        greeting = tcp._VERDICT.pack(tcp._OK, 0)
+        greeting = tcp._VERDICT.pack(tcp._OK, False, 0)
         threading.Thread(target=lambda: listener.accept()[0].sendall(greeting), daemon=True).start()
         channel = transports().connect(endpoint)
         failed: list[BaseException] = []
@@ -341,7 +345,7 @@ def test_a_silent_receiver_gives_a_timeout_error(transports):
 
         def greet_and_hang():
             conn, _ = listener.accept()
-            conn.sendall(tcp._VERDICT.pack(tcp._OK, 0))
+            conn.sendall(tcp._VERDICT.pack(tcp._OK, False, 0))
             time.sleep(3)
             conn.close()
 
