@@ -8,7 +8,7 @@
                                                        in place: begin_direct() → recv_into() the
                                                                  reserved blocks, run by run
                                                        copied:   recv_into() a reused buffer → apply()
-                                                   ◀── verdict [status, reason]
+                                                   ◀── verdict [status, closing?, reason]
 
 Why a socket beside gRPC and gloo: the bytes of a chunk sent in place are never copied in user
 space. The sender hands the kernel the runs of its cache (``sendmsg`` of memoryviews); the receiver
@@ -20,7 +20,8 @@ a bare grpcio stream 0.3-0.6; this path is that raw stream.
 Refusals cost no round trip on the way: the payload follows its header at once, and a receiver that
 refuses the chunk from a valid ticket (expired lease, a duplicate, a cache that cannot take it in
 place) reads the payload and drops it before answering. A payload above ``max_payload_bytes`` or
-from no valid ticket is answered and the connection closed instead; a malformed head closes it.
+from no valid ticket is answered and the connection closed instead (the verdict says so: the sender
+takes a fresh connection for its next chunk); a malformed head closes it.
 
 Deadlines: every send and receive carries the chunk's deadline (the sender's ``timeout_s``; on the
 receiver, no later than ``idle_s`` nor, for a chunk received in place, the ticket's lease).
