@@ -192,9 +192,7 @@ class KVReceiver:
         allocates or reads that payload. ``apply`` checks everything again."""
         with self._lock:
             incoming, _ = self._authenticate(raw_header)
-            layout = self.layout
-            most = layout.num_layers * 2 * incoming.ticket.num_blocks * layout.block_size
-            most *= layout.num_kv_heads * layout.head_dim * _DTYPES[layout.dtype].itemsize
+            most = self.layout.num_layers * self._full_layer_bytes(incoming.ticket)
             if nbytes > most:
                 self._refuse("shape", f"a payload of {nbytes} bytes; this ticket's blocks hold {most}")
 
@@ -220,9 +218,7 @@ class KVReceiver:
             if len(set(keys)) != len(keys):
                 self._refuse("duplicate", f"a chunk names one layer twice: {keys}")
             layout = self.layout
-            layer_bytes = (
-                2 * incoming.ticket.num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
-            ) * _DTYPES[layout.dtype].itemsize
+            layer_bytes = self._full_layer_bytes(incoming.ticket)
             if header.num_heads != layout.num_kv_heads or header.dst_head_offset != 0:
                 self._refuse("shape", f"layer {header.layer}: a chunk received in place carries every head")
             if (
@@ -295,6 +291,12 @@ class KVReceiver:
                 self._landed(owner, header, key, header.nbytes, in_place=True)
 
     # --- helpers (hold the lock) -----------------------------------------------------------
+    def _full_layer_bytes(self, ticket: KVTicket) -> int:
+        """K and V of one layer of every head of this shard, for the ticket's blocks."""
+        layout = self.layout
+        per_block = layout.block_size * layout.num_kv_heads * layout.head_dim * _DTYPES[layout.dtype].itemsize
+        return 2 * ticket.num_blocks * per_block
+
     def _authenticate(self, raw_header: bytes) -> tuple[_Incoming, ChunkHeader]:
         """The chunk's transfer and verified header, for a live ticket addressed to this shard."""
         try:

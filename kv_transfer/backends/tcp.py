@@ -102,12 +102,7 @@ def _time_left(deadline: float, what: str) -> float:
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str) -> None:
-    while len(view):
-        sock.settimeout(_time_left(deadline, what))
-        received = sock.recv_into(view)
-        if received == 0:
-            raise ConnectionError(f"{what}: the peer closed the connection")
-        view = view[received:]
+    _recv_scattered(sock, [view], deadline, what)
 
 
 def _recv_new(sock: socket.socket, nbytes: int, deadline: float, what: str) -> bytearray:
@@ -122,14 +117,32 @@ def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float, w
     first = 0
     while first < len(pending):
         sock.settimeout(_time_left(deadline, what))
-        sent = sock.sendmsg(pending[first : first + _IOV_MAX])
-        while sent:
-            if sent >= len(pending[first]):
-                sent -= len(pending[first])
-                first += 1
-            else:
-                pending[first] = pending[first][sent:]
-                sent = 0
+        first = _advance(pending, first, sock.sendmsg(pending[first : first + _IOV_MAX]))
+
+
+def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: float, what: str) -> None:
+    """Fill ``buffers`` in order from the stream, many per system call (the mirror of ``_send_all``)."""
+    pending = [b for b in buffers if len(b)]
+    first = 0
+    while first < len(pending):
+        sock.settimeout(_time_left(deadline, what))
+        received = sock.recvmsg_into(pending[first : first + _IOV_MAX])[0]
+        if received == 0:
+            raise ConnectionError(f"{what}: the peer closed the connection")
+        first = _advance(pending, first, received)
+
+
+def _advance(pending: list[memoryview], first: int, nbytes: int) -> int:
+    """Past ``nbytes`` moved from ``pending[first:]``: the index of the first buffer not yet full
+    (which is trimmed to what it still lacks)."""
+    while nbytes:
+        if nbytes >= len(pending[first]):
+            nbytes -= len(pending[first])
+            first += 1
+        else:
+            pending[first] = pending[first][nbytes:]
+            nbytes = 0
+    return first
 
 
 def _send_verdict(sock: socket.socket, status: int, reason: str, deadline: float, closing: bool = False) -> None:
@@ -140,14 +153,10 @@ def _send_verdict(sock: socket.socket, status: int, reason: str, deadline: float
 
 
 def _recv_verdict(sock: socket.socket, deadline: float, what: str) -> tuple[int, str, bool]:
-    fixed = bytearray(_VERDICT.size)
-    _recv_into(sock, memoryview(fixed), deadline, what)
-    status, closing, reason_len = _VERDICT.unpack(fixed)
+    status, closing, reason_len = _VERDICT.unpack(_recv_new(sock, _VERDICT.size, deadline, what))
     if reason_len > _MAX_REASON_BYTES or status not in (_OK, _REFUSED, _UNAVAILABLE, _DECLINED):
         raise ConnectionError(f"{what}: malformed verdict (status {status}, reason of {reason_len} bytes)")
-    reason = bytearray(reason_len)
-    _recv_into(sock, memoryview(reason), deadline, what)
-    return status, reason.decode(errors="replace"), closing
+    return status, _recv_new(sock, reason_len, deadline, what).decode(errors="replace"), closing
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -311,11 +320,8 @@ class _Endpoint:
             write = self.receiver.begin_direct(header, nbytes, None, abort=abort)
         except NotInPlace as exc:
             return _Outcome(_DECLINED, str(exc), consumed=False)
-        except TransferRefused as exc:
-            return _Outcome(_REFUSED, str(exc), consumed=False, close=exc.kind in _UNTRUSTED)
         except Exception as exc:
-            logger.exception("checking a KV chunk failed")
-            return _Outcome(_UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", consumed=False)
+            return _outcome_of(exc, consumed=False)
         deadline = min(deadline, time.monotonic() + write.lease_left_s)
         try:
             _recv_targets(conn, write.targets, deadline)
@@ -352,24 +358,6 @@ def _recv_targets(conn: socket.socket, targets: list[torch.Tensor], deadline: fl
             part.copy_(bounce[: part.numel()])
 
 
-def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: float, what: str) -> None:
-    """Fill ``buffers`` in order from the stream, many per system call (the mirror of ``_send_all``)."""
-    pending = [b for b in buffers if len(b)]
-    first = 0
-    while first < len(pending):
-        sock.settimeout(_time_left(deadline, what))
-        received = sock.recvmsg_into(pending[first : first + _IOV_MAX])[0]
-        if received == 0:
-            raise ConnectionError(f"{what}: the peer closed the connection")
-        while received:
-            if received >= len(pending[first]):
-                received -= len(pending[first])
-                first += 1
-            else:
-                pending[first] = pending[first][received:]
-                received = 0
-
-
 def _discard(conn: socket.socket, nbytes: int, deadline: float) -> None:
     sink = memoryview(bytearray(min(nbytes, _DISCARD_BYTES)))
     while nbytes:
@@ -397,11 +385,15 @@ def _refusal(land: Callable[[], None], consumed: bool) -> _Outcome | None:
     try:
         land()
         return None
-    except TransferRefused as exc:
-        return _Outcome(_REFUSED, str(exc), consumed, close=exc.kind in _UNTRUSTED)
     except Exception as exc:
-        logger.exception("applying a KV chunk failed")
-        return _Outcome(_UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", consumed)
+        return _outcome_of(exc, consumed)
+
+
+def _outcome_of(exc: Exception, consumed: bool) -> _Outcome:
+    if isinstance(exc, TransferRefused):
+        return _Outcome(_REFUSED, str(exc), consumed, close=exc.kind in _UNTRUSTED)
+    logger.error("a KV chunk failed in the receiver", exc_info=exc)
+    return _Outcome(_UNAVAILABLE, f"receiver error: {type(exc).__name__}: {exc}", consumed)
 
 
 # --- sender side -----------------------------------------------------------------------------

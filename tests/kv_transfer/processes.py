@@ -12,6 +12,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A decode shard in its own process, serving over backend argv[1] with a lease of argv[2] seconds;
+# prints its ticket (msgpack, hex), then waits to be killed.
+RECEIVER_SCRIPT = """
+import sys, time, msgpack
+from kv_transfer import KVReceiver, make_ticket
+from kv_transfer.transport import get_transport
+from tests.kv_transfer.harness import make_side
+
+backend, lease_s = sys.argv[1], float(sys.argv[2])
+dst, _ = make_side(1, fill=False)
+receiver = KVReceiver(dst.caches[0], dst.layouts[0], backend)
+transport = get_transport(backend)  # held: a dropped transport's servers stop
+endpoint = transport.serve(receiver)
+ticket = make_ticket("req-1", backend, [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s)
+receiver.expect(ticket)
+print(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex(), flush=True)
+time.sleep(600)
+"""
+
 
 def spawn_python(script: str, *args: str) -> subprocess.Popen:
     """``python -c script args`` with this repository importable, stdin and stdout piped as text."""

@@ -22,7 +22,7 @@ from kv_transfer.protocol import ChunkHeader, encode_header
 from kv_transfer.transport import TransferRefused
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal
-from tests.kv_transfer.processes import read_line
+from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
 
 
 @pytest.fixture
@@ -253,22 +253,6 @@ def test_connect_rejects_foreign_endpoints():
 
 # --- peers in other processes, killed mid-transfer ---------------------------------------------------
 
-_RECEIVER_SCRIPT = """
-import sys, time, msgpack
-from kv_transfer import KVReceiver, make_ticket
-from kv_transfer.backends.grpc_backend import GrpcTransport
-from tests.kv_transfer.harness import make_side
-
-dst, _ = make_side(1, fill=False)
-receiver = KVReceiver(dst.caches[0], dst.layouts[0], "grpc")
-transport = GrpcTransport()  # held: a dropped transport's servers stop
-endpoint = transport.serve(receiver)
-ticket = make_ticket("req-1", "grpc", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, float(sys.argv[1]))
-receiver.expect(ticket)
-print(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex(), flush=True)
-time.sleep(600)
-"""
-
 _SENDER_SCRIPT = """
 import sys, time, grpc, msgpack
 from kv_transfer import KVSender, KVTicket
@@ -303,7 +287,7 @@ kv_transfer_pb2_grpc.KVTransferStub(channel).Push(stalled(), timeout=600)
 
 def test_receiver_process_killed_mid_transfer(transports, spawn):
     lease_s = 20.0
-    proc = spawn(_RECEIVER_SCRIPT, str(lease_s))
+    proc = spawn(RECEIVER_SCRIPT, "grpc", str(lease_s))
     ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(read_line(proc)), raw=False))
     src, _ = make_side(1, fill=True)
     sender = KVSender(src.layouts[0], "m", transports())

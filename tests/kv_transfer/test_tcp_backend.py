@@ -20,7 +20,7 @@ from kv_transfer.backends.tcp import TcpConfig, TcpTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.transport import TransferRefused
 from tests.kv_transfer.harness import layer_chunk_header, make_side, wait_terminal, wait_until
-from tests.kv_transfer.processes import read_line
+from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
 
 LAYER_BYTES = 2 * 4 * 4 * 2 * 8 * 4  # the harness's default shard: K and V of 4 blocks, 4 tokens x 2 heads x 8, fp32
 
@@ -390,22 +390,6 @@ def test_release_cuts_a_stalled_payload_short(transports):
 
 # --- peers in other processes, killed mid-transfer -------------------------------------------------------
 
-_RECEIVER_SCRIPT = """
-import sys, time, msgpack
-from kv_transfer import KVReceiver, make_ticket
-from kv_transfer.backends.tcp import TcpTransport
-from tests.kv_transfer.harness import make_side
-
-dst, _ = make_side(1, fill=False)
-receiver = KVReceiver(dst.caches[0], dst.layouts[0], "tcp")
-transport = TcpTransport()
-endpoint = transport.serve(receiver)
-ticket = make_ticket("req-1", "tcp", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, float(sys.argv[1]))
-receiver.expect(ticket)
-print(msgpack.packb(ticket.to_dict(), use_bin_type=True).hex(), flush=True)
-time.sleep(600)
-"""
-
 _SENDER_SCRIPT = """
 import sys, time, msgpack, socket
 from kv_transfer import KVSender, KVTicket
@@ -433,7 +417,7 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_receiver_process_killed_mid_transfer(transports, spawn):
-    proc = spawn(_RECEIVER_SCRIPT, "20")
+    proc = spawn(RECEIVER_SCRIPT, "tcp", "20")
     ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(read_line(proc)), raw=False))
     src, _ = make_side(1, fill=True)
     sender = KVSender(src.layouts[0], "m", transports())
