@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import NoReturn
@@ -40,6 +40,9 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _MAX_LOCKED_COPY_BYTES = 16 << 20  # a pulled batch copies at most this much per hold of the receiver's lock
 _WRITE_GRACE_S = 5.0  # past the lease, how long release() still waits for a payload in flight
+# Released tickets remembered (with their secrets) so that their late chunks are told apart from
+# forged ones: a transport may keep a connection that carried them (chunks of others follow).
+_REMEMBERED_RELEASES = 4096
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HEADER_FIELDS = tuple(f.name for f in fields(ChunkHeader))
 
@@ -71,19 +74,34 @@ class _Incoming:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DirectWrite:
-    """A chunk the transport receives straight into reserved blocks: ``targets`` are contiguous
-    byte views of those blocks, in payload order (layer by layer; in each, K then V, each by run of
-    consecutive blocks)."""
+    """A chunk the transport receives straight into reserved blocks: ``targets`` (or ``views()``)
+    are contiguous byte views of those blocks, in payload order (layer by layer; in each, K then V,
+    each by run of consecutive blocks)."""
 
     request_id: str
     layers: list[ChunkHeader]  # one header per layer the chunk carries
     keys: list[tuple[int, int, int]]
-    targets: list[torch.Tensor]
+    spans: list[tuple[int, int, int]]  # (layer, byte offset, length) of each target in its layer's bytes
+    layer_bytes: list[torch.Tensor | None] = field(repr=False)  # the receiver's layers as flat bytes
+    layer_views: list[memoryview | None] = field(repr=False)  # the same, as memoryviews (a CPU cache)
     lease_left_s: float  # the transport must end the write by then (the sender's clock is not ours)
     incoming: _Incoming = field(repr=False)
     # The transport's way to cut the payload short (a gRPC call's cancel); release() calls it
     # rather than wait for a stalled sender. Without one, the transport bounds the wait itself.
     abort: list[Callable[[], object]] = field(default_factory=list, repr=False)
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """The targets as uint8 tensors (on the cache's device)."""
+        flat = self.layer_bytes
+        return [flat[layer].narrow(0, offset, length) for layer, offset, length in self.spans]  # type: ignore[union-attr]
+
+    def views(self) -> list[memoryview] | None:
+        """The targets as writable memoryviews, sliced without a tensor op each; None for a GPU cache."""
+        views = self.layer_views
+        if any(views[layer] is None for layer, _, _ in self.spans):
+            return None
+        return [views[layer][offset : offset + length] for layer, offset, length in self.spans]  # type: ignore[index]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +119,16 @@ class KVReceiver:
         self._stacked = stacked_layers(kv_caches)  # [layers, ...] when they share one allocation
         # Each contiguous layer as flat bytes: a payload received in place lands in slices of these.
         self._layer_bytes = [kv.view(-1).view(torch.uint8) if kv.is_contiguous() else None for kv in kv_caches]
+        self._layer_views = [
+            memoryview(flat.numpy()) if flat is not None and flat.device.type == "cpu" else None
+            for flat in self._layer_bytes
+        ]
         self.layout = layout
         self.backend = backend
         self._lock = threading.Lock()
         self._writes_ended = threading.Condition(self._lock)
         self._incoming: dict[str, _Incoming] = {}
+        self._released: OrderedDict[str, bytes] = OrderedDict()  # request id -> its ticket's secret
         self.refusals: Counter = Counter()  # reason -> count, for metrics
 
     # --- the decode driver's side ----------------------------------------------------------
@@ -117,6 +140,7 @@ class KVReceiver:
                 f"ticket {ticket.request_id} names blocks {bad[:4]} outside this cache's {self.layout.num_blocks}"
             )
         with self._lock:
+            self._released.pop(ticket.request_id, None)
             self._incoming[ticket.request_id] = _Incoming(
                 ticket=ticket,
                 scatter=scatter_plan(list(ticket.block_ids[: ticket.num_blocks])),
@@ -149,6 +173,9 @@ class KVReceiver:
             incoming = self._incoming.pop(request_id, None)
             if incoming is None:
                 return
+            self._released[request_id] = incoming.ticket.secret
+            if len(self._released) > _REMEMBERED_RELEASES:
+                self._released.popitem(last=False)
             for abort in [hook for write in incoming.in_flight for hook in write.abort]:
                 try:
                     abort()
@@ -231,24 +258,22 @@ class KVReceiver:
             if num_pieces is not None and len(layers) * 2 * len(runs) != num_pieces:
                 self._refuse("shape", f"{num_pieces} pieces, expected {len(layers) * 2 * len(runs)}")
             block_bytes = layer_bytes // (2 * incoming.ticket.num_blocks)
-            targets = []
-            for layer in layers:
-                flat = self._layer_bytes[layer.layer]  # [K blocks | V blocks] of this layer
+            flats = [self._layer_bytes[layer.layer] for layer in layers]  # each [K blocks | V blocks]
+            for layer, flat in zip(layers, flats, strict=True):
                 if flat is None:
                     self.refusals["not_in_place"] += 1
                     raise NotInPlace(f"layer {layer.layer} of this cache is not contiguous")
-                half = flat.numel() // 2
-                targets += [
-                    flat.narrow(0, part * half + dst * block_bytes, n * block_bytes)
-                    for part in (0, 1)
-                    for dst, n in runs
-                ]
+            half = flats[0].numel() // 2  # type: ignore[union-attr]  # every layer has one shape
+            spans_of_layer = [(part * half + dst * block_bytes, n * block_bytes) for part in (0, 1) for dst, n in runs]
+            spans = [(layer.layer, offset, length) for layer in layers for offset, length in spans_of_layer]
             incoming.writing.update(keys)
             write = DirectWrite(
                 incoming.ticket.request_id,
                 layers,
                 keys,
-                targets,
+                spans,
+                self._layer_bytes,
+                self._layer_views,
                 incoming.ticket.lease_deadline - time.time(),
                 incoming,
                 [abort] if abort is not None else [],
@@ -261,17 +286,17 @@ class KVReceiver:
         payload failed midway (``reason``; the request fails). Raises TransferRefused like ``apply``."""
         # Checksums outside the lock (a chunk may be hundreds of MB): the blocks stay reserved
         # until the write ends below, so nothing else can touch them meanwhile.
-        per_layer = len(write.targets) // len(write.layers)
-        intact = (
-            [
-                header.checksum is None
-                or checksum(*(memoryview(t.cpu().numpy()) for t in write.targets[i * per_layer : (i + 1) * per_layer]))
-                == header.checksum
+        intact = []
+        if received and any(header.checksum is not None for header in write.layers):
+            views = write.views()
+            parts = views if views is not None else [memoryview(t.cpu().numpy()) for t in write.targets]
+            per_layer = len(parts) // len(write.layers)
+            intact = [
+                header.checksum is None or checksum(*parts[i * per_layer : (i + 1) * per_layer]) == header.checksum
                 for i, header in enumerate(write.layers)
             ]
-            if received
-            else []
-        )
+        elif received:
+            intact = [True] * len(write.layers)
         with self._lock:
             owner = write.incoming
             owner.writing.difference_update(write.keys)
@@ -305,7 +330,14 @@ class KVReceiver:
             self._refuse("malformed", str(exc))
         incoming = self._incoming.get(request_id)
         if incoming is None:
-            self._refuse("unknown_ticket", f"no ticket for request {request_id!r} here")
+            secret = self._released.get(request_id)
+            if secret is None:
+                self._refuse("unknown_ticket", f"no ticket for request {request_id!r} here")
+            try:
+                decode_header(raw_header, secret)
+            except ProtocolError as exc:
+                self._refuse("bad_signature", str(exc))
+            self._refuse("released", f"transfer of {request_id} was released here")
         try:
             header = decode_header(raw_header, incoming.ticket.secret)
         except ProtocolError as exc:

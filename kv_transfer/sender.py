@@ -13,6 +13,9 @@ How a layer leaves, best first:
     copied      gathered (this shard's heads for each receiver) and sent as a payload; layers queued
                 together leave in one message of up to 16 MB
 A sender that fell behind the forward pass sends the layers queued meanwhile together, in one chunk.
+Over a transport that pipelines (shm's pulled chunks, tcp), a layer's chunk leaves without waiting
+for the verdict of the one before: the verdicts are read as they come, and the "done" waits for
+every one of them, so a refusal still fails the request before it could count as DONE.
 
 Per request:  PENDING ─▶ TRANSFERRING ─▶ DONE (every receiver acknowledged the "done") | FAILED.
 The source blocks stay the caller's to hold until ``poll`` says the transfer is terminal.
@@ -43,6 +46,7 @@ _MAX_ENQUEUE_WAIT_S = 5.0
 _MAX_LAYERS_PER_CHUNK = 64  # layers one pulled chunk may name
 # A copied batch is written under the receiver's lock: bound it as a pulled batch's copy is bounded.
 _MAX_COPIED_BATCH_BYTES = 16 << 20
+_SETTLE_EVERY_S = 0.005  # how often an idle sender reads the verdicts of chunks it posted
 _NOTHING = object()
 
 
@@ -170,8 +174,15 @@ class KVSender:
     def _run(self) -> None:
         held = _NOTHING  # an item taken off the queue while gathering a batch, handled next
         while not self._stopping:
-            item = self._queue.get() if held is _NOTHING else held
-            held = _NOTHING
+            if held is _NOTHING:
+                try:
+                    # Verdicts outstanding: read them as they come, without holding up the next layer.
+                    item = self._queue.get(timeout=_SETTLE_EVERY_S if self._posting else None)
+                except queue.Empty:
+                    self._collect(wait=False)
+                    continue
+            else:
+                item, held = held, _NOTHING
             if item is None:
                 return
             kind, request_id, arg, kv_layer = item
@@ -207,8 +218,7 @@ class KVSender:
                 with self._lock:
                     self._current = None
             if self._posting:
-                # Idle (nothing queued, nothing held back): settle every outstanding verdict.
-                self._collect(wait=held is _NOTHING and self._queue.empty())
+                self._collect(wait=False)
 
     def _collect(self, wait: bool) -> None:
         """Fail the requests whose posted chunks the receiver refused (or never answered)."""
@@ -222,7 +232,7 @@ class KVSender:
                     out = self._outgoing.get(request_id)
                     if out is not None:
                         self._fail(out, f"{type(error).__name__}: {error}")
-            if wait:
+            if not channel.num_posted:
                 self._posting.discard(channel)
 
     def _send_layers(self, out: _Outgoing, layers: list[tuple[int, torch.Tensor]]) -> None:
@@ -275,7 +285,8 @@ class KVSender:
                 blocks = self._gather_blocks(kv_layer, out.gather)
             payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
             header = self._layer_header(ticket, layer, seg, len(payload), payload)
-            channel.send(encode_header(header, ticket.secret), payload, self._time_left(ticket))
+            channel.send(encode_header(header, ticket.secret), payload, self._time_left(ticket), ticket.request_id)
+            self._sent_on(channel)
             out.stats.num_bytes += len(payload)
         self._layer_sent(out)
 
@@ -314,9 +325,10 @@ class KVSender:
         )
         encoded = encode_header(header, ticket.secret)
         if staging is not None:
-            channel.send_staged(encoded, total, self._time_left(ticket))
+            channel.send_staged(encoded, total, self._time_left(ticket), ticket.request_id)
         else:
-            channel.send(encoded, _payload(stacked.cpu()), self._time_left(ticket))
+            channel.send(encoded, _payload(stacked.cpu()), self._time_left(ticket), ticket.request_id)
+        self._sent_on(channel)
         assert out.stats is not None
         out.stats.num_bytes += total
 
@@ -352,7 +364,8 @@ class KVSender:
         if channel.post(encoded, ticket.request_id, self._time_left(ticket)):
             self._posting.add(channel)  # its verdict comes later, through _collect
         else:
-            channel.send(encoded, b"", self._time_left(ticket))
+            channel.send(encoded, b"", self._time_left(ticket), ticket.request_id)
+            self._sent_on(channel)
         assert out.stats is not None
         out.stats.num_bytes += nbytes * len(entries)
         out.stats.in_place_bytes += nbytes * len(entries)
@@ -389,20 +402,14 @@ class KVSender:
             return 0
         per_chunk = max(1, MAX_DIRECT_PIECES // (2 * len(runs)))
         block_bytes = layer_bytes // (2 * len(out.src_block_ids))
+        half = layers[0][1].numel() * layers[0][1].element_size() // 2  # a layer's bytes: [K blocks | V blocks]
+        spans = [(part * half + src * block_bytes, length * block_bytes) for part in (0, 1) for src, _, length in runs]
         for start in range(0, len(layers), per_chunk):
             group = layers[start : start + per_chunk]
-            pieces, entries = [], []
+            entries = []
             for layer, kv in group:
-                flat = kv.view(-1).view(torch.uint8)  # [K blocks | V blocks]: pieces as byte ranges, one op each
-                half = flat.numel() // 2
-                mine = [
-                    flat.narrow(0, part * half + src * block_bytes, length * block_bytes)
-                    for part in (0, 1)
-                    for src, _, length in runs
-                ]
                 # Over the bytes in payload order, as the receiver checks them.
-                crc = checksum(*(_payload(piece.cpu()) for piece in mine)) if self.with_checksums else None
-                pieces += mine
+                crc = self._spans_checksum(kv, spans) if self.with_checksums else None
                 entries.append([layer, -1, 0, crc])
             header = replace(
                 self._layer_header(ticket, group[0][0], seg, layer_bytes, None),
@@ -410,8 +417,11 @@ class KVSender:
                 run_lengths=[length for _, _, length in runs],
                 batch=entries if len(entries) > 1 else None,
             )
-            if not channel.send_pieces(encode_header(header, ticket.secret), pieces, self._time_left(ticket)):
+            encoded = encode_header(header, ticket.secret)
+            sources = [kv for _, kv in group]
+            if not channel.send_spans(encoded, sources, spans, self._time_left(ticket), ticket.request_id):
                 return start  # declined: this receiver takes copies only
+            self._sent_on(channel)
             assert out.stats is not None
             out.stats.num_bytes += layer_bytes * len(group)
             out.stats.in_place_bytes += layer_bytes * len(group)
@@ -432,17 +442,32 @@ class KVSender:
             return False
         copy_blocks(staging.view(kv_layer.dtype).view(shape), kv_layer, out.gather)
         header = self._layer_header(ticket, layer, seg, nbytes, memoryview(staging.numpy()))
-        channel.send_staged(encode_header(header, ticket.secret), nbytes, self._time_left(ticket))
+        channel.send_staged(encode_header(header, ticket.secret), nbytes, self._time_left(ticket), ticket.request_id)
+        self._sent_on(channel)
         assert out.stats is not None
         out.stats.num_bytes += nbytes
         return True
+
+    @staticmethod
+    def _spans_checksum(kv: torch.Tensor, spans: list[tuple[int, int]]) -> int:
+        if kv.device.type == "cpu":
+            flat = _payload(kv)
+            return checksum(*(flat[offset : offset + length] for offset, length in spans))
+        flat_gpu = kv.view(-1).view(torch.uint8)  # only the pieces come to the host, not the whole layer
+        return checksum(*(_payload(flat_gpu.narrow(0, offset, length).cpu()) for offset, length in spans))
+
+    def _sent_on(self, channel: KVChannel) -> None:
+        """A layer chunk left under its request's tag: a pipelining channel reports its verdict later."""
+        if channel.pipelines:
+            self._posting.add(channel)
 
     def _gather_blocks(self, kv_layer: torch.Tensor, plan: BlockCopyPlan) -> torch.Tensor:
         """The ticket's source blocks of one layer, contiguous, in reused scratch memory.
 
         Reuse matters: a fresh multi-MB tensor per layer costs page faults that run at ~1.5 GB/s
         here, while a gather into memory already touched runs at ~10 GB/s. The scratch is safe to
-        reuse because a chunk's send returns only after the receiver has consumed it.
+        reuse because a chunk's send returns only once its memory may be reused (the receiver
+        consumed it, or, for a pipelined chunk, the kernel holds a copy).
         """
         full = self._scratch_tensor(
             "blocks", (2, plan.num_blocks, *kv_layer.shape[2:]), kv_layer.dtype, kv_layer.device

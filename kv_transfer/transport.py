@@ -30,14 +30,19 @@ class KVChannel(ABC):
     """A sender's connection to one receiver endpoint. Used by one sender thread at a time."""
 
     sends_in_place = False  # whether ``send_pieces`` may take a chunk (checked before preparing one)
+    # Whether a chunk sent with a ``tag`` may return before its verdict, once its memory may be
+    # reused; ``collect`` then reports a refusal under the tag. A send without a tag always waits
+    # for its own verdict, and reads the verdicts of the chunks before it first.
+    pipelines = False
     sends_device_pieces = False  # whether ``send_pieces`` may take GPU tensors
     # Below this, a piece costs more as its own message than two copies of its bytes (~70 us a gloo
     # message, measured), so a sender copies several layers of such pieces into one payload instead.
     in_place_min_piece_bytes = 256 << 10
 
     @abstractmethod
-    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float) -> None:
-        """Deliver one chunk and wait for the receiver's verdict. May block up to ``timeout_s``.
+    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float, tag: str | None = None) -> None:
+        """Deliver one chunk and wait for the receiver's verdict (unless posted under ``tag``: see
+        ``pipelines``). May block up to ``timeout_s``.
 
         Raises TransferRefused (the receiver said no), TimeoutError, or ConnectionError.
         """
@@ -60,18 +65,40 @@ class KVChannel(ABC):
         deadline (or ``timeout_s``). A broken connection fails every outstanding tag."""
         return []
 
-    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float) -> bool:
+    @property
+    def num_posted(self) -> int:
+        """Posted chunks whose verdicts are still outstanding."""
+        return 0
+
+    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float, tag: str | None = None) -> bool:
         """Optional zero-copy path: like ``send``, with the payload sent as these contiguous tensors
         (views of the sender's cache) one after another, for the receiver to take in place
         (``KVReceiver.begin_direct``). False if unsupported, or not for tensors on this device."""
         return False
+
+    def send_spans(
+        self,
+        header: bytes,
+        layers: list[torch.Tensor],
+        spans: list[tuple[int, int]],
+        timeout_s: float,
+        tag: str | None = None,
+    ) -> bool:
+        """``send_pieces`` of the byte ranges ``spans`` ([offset, offset + length) each) of every one
+        of ``layers`` (contiguous tensors viewed as flat bytes), layer after layer. A channel that
+        sends raw buffers slices one view per layer here instead of making a tensor per piece."""
+        pieces = []
+        for kv in layers:
+            flat = kv.view(-1).view(torch.uint8)
+            pieces += [flat.narrow(0, offset, length) for offset, length in spans]
+        return self.send_pieces(header, pieces, timeout_s, tag)
 
     def staging(self, nbytes: int) -> torch.Tensor | None:
         """Optional zero-copy path: a writable uint8 CPU tensor in the transport's own memory. A sender
         that fills it and calls ``send_staged`` saves one copy. Valid until the next send; None if absent."""
         return None
 
-    def send_staged(self, header: bytes, nbytes: int, timeout_s: float) -> None:
+    def send_staged(self, header: bytes, nbytes: int, timeout_s: float, tag: str | None = None) -> None:
         """Like ``send``, with the payload already written into ``staging(nbytes)``."""
         raise NotImplementedError
 

@@ -149,7 +149,8 @@ class _KVTransferServicer:
         request is released meanwhile (a stalled sender, an aborted request), the call is cancelled."""
         write = self.receiver.begin_direct(first.header, first.payload_size, None, abort=context.cancel)
         try:
-            targets = [memoryview(t.numpy()) if t.device.type == "cpu" else t for t in write.targets]
+            views = write.views()
+            targets: list[memoryview] | list[torch.Tensor] = views if views is not None else write.targets
             index, offset, filled, size = 0, 0, 0, first.payload_size
             data = first.data
             while filled < size:
@@ -240,7 +241,7 @@ class _GrpcChannel(KVChannel):
                 self._calls = (push, push_single)
             return self._calls
 
-    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float) -> None:
+    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float, tag: str | None = None) -> None:
         view = memoryview(payload)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -255,7 +256,7 @@ class _GrpcChannel(KVChannel):
         if not ack.ok:
             raise TransferRefused(ack.reason)
 
-    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float) -> bool:
+    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float, tag: str | None = None) -> bool:
         if not self.sends_in_place or any(piece.device.type != "cpu" for piece in pieces):
             return False
         parts = [memoryview(piece.reshape(-1).view(torch.uint8).numpy()) for piece in pieces]

@@ -17,7 +17,7 @@ class _InProcChannel(KVChannel):
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
 
-    def send(self, header, payload, timeout_s):
+    def send(self, header, payload, timeout_s, tag=None):
         receiver = _registry.get(self.endpoint)
         if receiver is None:
             raise ConnectionError(f"no receiver at {self.endpoint}")

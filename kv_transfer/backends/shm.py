@@ -235,6 +235,10 @@ class _ShmChannel(KVChannel):
         failures, self.late_failures = self.late_failures, []
         return failures
 
+    @property
+    def num_posted(self) -> int:
+        return len(self.posted)
+
     def _readable(self) -> bool:
         return self.sock is not None and bool(select.select([self.sock], [], [], 0)[0])
 
@@ -277,7 +281,7 @@ class _ShmChannel(KVChannel):
                 self._drop(replaced)
         return torch.frombuffer(region.buffer, dtype=torch.uint8, count=nbytes)
 
-    def send(self, header, payload, timeout_s):
+    def send(self, header, payload, timeout_s, tag=None):
         nbytes = len(payload)
         if nbytes:
             staging = self.staging(nbytes)
@@ -285,7 +289,7 @@ class _ShmChannel(KVChannel):
             staging.copy_(torch.frombuffer(payload, dtype=torch.uint8, count=nbytes))
         self.send_staged(header, nbytes, timeout_s)
 
-    def send_staged(self, header, nbytes, timeout_s):
+    def send_staged(self, header, nbytes, timeout_s, tag=None):
         self._connect(timeout_s)  # first: a fresh connection has shared nothing yet
         region = self.staging_region if nbytes else None
         if region is not None and region.region_id not in self.shared:

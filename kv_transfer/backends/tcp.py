@@ -46,13 +46,14 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from common.errors import ConfigError
-from kv_transfer.receiver import KVReceiver, NotInPlace
+from kv_transfer.receiver import DirectWrite, KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ _MAX_HEADER_BYTES = 64 << 10
 _MAX_REASON_BYTES = 1024
 _OK, _REFUSED, _UNAVAILABLE, _DECLINED = 0, 1, 2, 3
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+_MAX_POSTED = 32  # chunks awaiting their verdict per connection (32 verdicts of <= 1 KB fit any socket buffer)
 _BOUNCE_BYTES = 4 << 20  # a GPU cache is received through host memory in slices of this size
 _DISCARD_BYTES = 1 << 20
 _ACCEPT_POLL_S = 0.2  # how soon shutdown() stops the accept thread
@@ -324,7 +326,7 @@ class _Endpoint:
             return _outcome_of(exc, consumed=False)
         deadline = min(deadline, time.monotonic() + write.lease_left_s)
         try:
-            _recv_targets(conn, write.targets, deadline)
+            _recv_targets(conn, write, deadline)
         except BaseException as exc:
             with contextlib.suppress(TransferRefused):
                 self.receiver.end_direct(write, received=False, reason=str(exc) or type(exc).__name__)
@@ -345,13 +347,14 @@ class _Endpoint:
             thread.join(timeout=max(0.0, end - time.monotonic()))
 
 
-def _recv_targets(conn: socket.socket, targets: list[torch.Tensor], deadline: float) -> None:
+def _recv_targets(conn: socket.socket, write: DirectWrite, deadline: float) -> None:
     """The payload, straight into the targets in order (a GPU target through a host bounce buffer)."""
-    if all(target.device.type == "cpu" for target in targets):
-        _recv_scattered(conn, [_bytes_of(target) for target in targets], deadline, "receiving a chunk payload")
+    views = write.views()
+    if views is not None:
+        _recv_scattered(conn, views, deadline, "receiving a chunk payload")
         return
     bounce = torch.empty(_BOUNCE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    for target in targets:
+    for target in write.targets:
         for start in range(0, target.numel(), _BOUNCE_BYTES):
             part = target[start : start + _BOUNCE_BYTES]
             _recv_into(conn, _bytes_of(bounce[: part.numel()]), deadline, "receiving a chunk payload")
@@ -400,77 +403,165 @@ def _outcome_of(exc: Exception, consumed: bool) -> _Outcome:
 
 
 class _TcpChannel(KVChannel):
-    """One connection to a receiver endpoint, opened on first use; one sender thread at a time."""
+    """One connection to a receiver endpoint, opened on first use; one sender thread at a time.
+
+    Pipelined: a chunk sent with a tag returns once the kernel holds its bytes (its memory may be
+    reused then), and its verdict is read later, in order (``collect``, or before the next chunk
+    that waits for its own). The receiver answers every chunk of a connection in turn, so layers
+    stream without a round trip each. At most ``_MAX_POSTED`` verdicts are outstanding: their bytes
+    (at most ~1 KB each) always fit the socket buffers, so the receiver never blocks writing one
+    while the sender blocks writing a chunk."""
 
     in_place_min_piece_bytes = 0  # a piece costs no message of its own here: small ones go in place too
+    pipelines = True
 
     def __init__(self, endpoint: str, config: TcpConfig) -> None:
         self.endpoint = endpoint
         self.host, self.port = _split_endpoint(endpoint)
         self.config = config
         self.sends_in_place = True  # until the receiver declines it once
+        self._in_place_accepted = False  # in-place chunks wait for their verdict until one is accepted
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._last_used = 0.0
+        self._posted: deque[tuple[str, float]] = deque()  # (tag, deadline) of chunks awaiting a verdict
+        self._late: list[tuple[str, Exception]] = []  # failures of posted chunks, until collected
 
-    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float) -> None:
+    @property
+    def num_posted(self) -> int:
+        return len(self._posted)
+
+    def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float, tag: str | None = None) -> None:
         view = memoryview(payload)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        status, reason = self._exchange(header, [view], len(view), False, timeout_s)
-        if status in (_REFUSED, _DECLINED):
-            raise TransferRefused(reason)
-        if status != _OK:
-            raise ConnectionError(f"{self.endpoint}: {reason}")
+        verdict = self._exchange(header, [view], len(view), False, timeout_s, tag)
+        if verdict is not None:
+            _raise_for(self.endpoint, *verdict)
 
-    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float) -> bool:
+    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float, tag: str | None = None) -> bool:
         if not self.sends_in_place or any(piece.device.type != "cpu" for piece in pieces):
             return False
-        parts = [_bytes_of(piece) for piece in pieces]  # views of the cache: contiguous runs
-        status, reason = self._exchange(header, parts, sum(len(p) for p in parts), True, timeout_s)
+        return self._send_in_place([_bytes_of(piece) for piece in pieces], header, timeout_s, tag)
+
+    def send_spans(
+        self,
+        header: bytes,
+        layers: list[torch.Tensor],
+        spans: list[tuple[int, int]],
+        timeout_s: float,
+        tag: str | None = None,
+    ) -> bool:
+        if not self.sends_in_place or any(kv.device.type != "cpu" for kv in layers):
+            return False
+        parts = []
+        for kv in layers:  # one memoryview per layer, sliced: no tensor op per piece
+            flat = _bytes_of(kv)
+            parts += [flat[offset : offset + length] for offset, length in spans]
+        return self._send_in_place(parts, header, timeout_s, tag)
+
+    def _send_in_place(self, parts: list[memoryview], header: bytes, timeout_s: float, tag: str | None) -> bool:
+        """``parts``: views of the cache, contiguous runs of blocks."""
+        # Until the receiver has taken one chunk in place, wait for the verdict: a refusal to take
+        # chunks in place then falls back to copies instead of failing the request.
+        verdict = self._exchange(
+            header, parts, sum(len(p) for p in parts), True, timeout_s, tag if self._in_place_accepted else None
+        )
+        if verdict is None:
+            return True
+        status, reason = verdict
         if status == _DECLINED:
             logger.info("%s takes no chunks in place (%s): sending copies", self.endpoint, reason)
             self.sends_in_place = False
             return False
-        if status == _REFUSED:
-            raise TransferRefused(reason)
-        if status != _OK:
-            raise ConnectionError(f"{self.endpoint}: {reason}")
+        _raise_for(self.endpoint, status, reason)
+        self._in_place_accepted = True
         return True
 
+    def collect(self, wait: bool, timeout_s: float) -> list[tuple[str, Exception]]:
+        with self._lock:
+            if self._posted:
+                oldest = self._posted[0][1]
+                try:
+                    if not wait and time.monotonic() > oldest:  # a verdict overdue: the receiver is stuck
+                        raise TimeoutError("no verdict within the chunk's deadline")
+                    self._settle(everything=wait)
+                except OSError as exc:
+                    self._broken(ConnectionError(f"{self.endpoint}: {exc}"))
+            failures, self._late = self._late, []
+            return failures
+
     def _exchange(
-        self, header: bytes, parts: list[memoryview], nbytes: int, in_place: bool, timeout_s: float
-    ) -> tuple[int, str]:
+        self, header: bytes, parts: list[memoryview], nbytes: int, in_place: bool, timeout_s: float, tag: str | None
+    ) -> tuple[int, str] | None:
+        """Send one chunk; its verdict (status, reason), or None if posted under ``tag``."""
         if len(header) > _MAX_HEADER_BYTES:
             raise TransferRefused(f"chunk header of {len(header)} bytes exceeds the {_MAX_HEADER_BYTES} allowed")
         deadline = time.monotonic() + timeout_s
         head = _HEAD.pack(_MAGIC, len(header), nbytes, min(int(timeout_s * 1000), 0xFFFFFFFF), in_place)
         with self._lock:
-            sock = self._connection(deadline)
             try:
+                # Verdicts that arrived meanwhile; at the cap, wait for the oldest.
+                self._settle(everything=False, at_least_one=len(self._posted) >= _MAX_POSTED)
+                sock = self._connection(deadline)
                 try:
                     _send_all(sock, [memoryview(head), memoryview(header), *parts], deadline, "sending a chunk")
-                except (BrokenPipeError, ConnectionResetError):
+                except (BrokenPipeError, ConnectionResetError) as exc:
+                    if self._posted:
+                        # Closed after refusing an earlier chunk: read why; every chunk since is lost.
+                        with contextlib.suppress(OSError):
+                            self._settle(everything=True)
+                        raise ConnectionError(f"the receiver closed the connection ({exc})") from None
                     # The receiver answered and closed early (a chunk over its limit): read why.
                     status, reason, _ = _recv_verdict(sock, min(deadline, time.monotonic() + 1.0), "reading a refusal")
                     self._drop()
                     return status, reason
+                self._last_used = time.monotonic()
+                if tag is not None:
+                    self._posted.append((tag, deadline))
+                    return None
+                self._settle(everything=True)  # the verdicts of earlier chunks come first
+                if self._sock is None:  # closed after refusing one of them: this chunk was never read
+                    raise ConnectionError("the receiver closed the connection after refusing an earlier chunk")
                 status, reason, closing = _recv_verdict(sock, deadline, "waiting for the receiver's verdict")
                 if closing:  # a refusal that ends the connection: the next chunk takes a fresh one
                     self._drop()
             except TimeoutError:
-                self._drop()  # mid-chunk, the stream's position is lost: never reuse it
+                self._broken(TimeoutError(f"no verdict from {self.endpoint} within {timeout_s:.1f}s"))
                 raise TimeoutError(f"no verdict from {self.endpoint} within {timeout_s:.1f}s") from None
             except OSError as exc:
-                self._drop()
+                self._broken(ConnectionError(f"{self.endpoint}: {exc}"))
                 raise ConnectionError(f"{self.endpoint}: {exc}") from None
-            self._last_used = time.monotonic()
             return status, reason
+
+    def _settle(self, everything: bool, at_least_one: bool = False) -> None:
+        """Read posted chunks' verdicts in order: all of them (``everything``), else those already
+        here (and the oldest, ``at_least_one``). Each waits until its own chunk's deadline, not the
+        deadline of the chunk being sent now. Lock held; raises OSError if the connection broke."""
+        while self._posted and self._sock is not None:
+            if not (everything or at_least_one or _readable(self._sock)):
+                return
+            at_least_one = False
+            tag, deadline = self._posted[0]
+            status, reason, closing = _recv_verdict(self._sock, max(deadline, time.monotonic() + 0.05), "a verdict")
+            self._posted.popleft()
+            if status != _OK:
+                self._late.append((tag, _error_for(self.endpoint, status, reason)))
+            if closing:  # the chunks after that one were never read
+                self._broken(ConnectionError(f"{self.endpoint} closed the connection after refusing a chunk: {reason}"))
+
+    def _broken(self, error: Exception) -> None:
+        """The connection is gone: every chunk still awaiting its verdict failed with ``error``."""
+        self._late.extend((tag, error) for tag, _ in self._posted)
+        self._posted.clear()
+        self._drop()
 
     def _connection(self, deadline: float) -> socket.socket:
         """The open connection, or a new one (after idling, or once the receiver has closed it). Lock held."""
         sock = self._sock
-        if sock is not None and (time.monotonic() - self._last_used > self.config.idle_s / 2 or _readable(sock)):
+        idle = time.monotonic() - self._last_used > self.config.idle_s / 2
+        # With verdicts outstanding the connection is in use (and readable: they are arriving).
+        if sock is not None and not self._posted and (idle or _readable(sock)):
             self._drop()  # idle (the receiver closes such connections) or closed by the receiver
         wait = _BUSY_RETRY_S[0]
         while self._sock is None:
@@ -523,6 +614,17 @@ class _TcpChannel(KVChannel):
                 sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             self._drop()
+
+
+def _error_for(endpoint: str, status: int, reason: str) -> Exception:
+    if status in (_REFUSED, _DECLINED):
+        return TransferRefused(reason)
+    return ConnectionError(f"{endpoint}: {reason}")
+
+
+def _raise_for(endpoint: str, status: int, reason: str) -> None:
+    if status != _OK:
+        raise _error_for(endpoint, status, reason)
 
 
 def _readable(sock: socket.socket) -> bool:

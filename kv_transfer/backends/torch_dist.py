@@ -452,12 +452,14 @@ class _TorchDistChannel(KVChannel):
         self.sends_in_place = True  # until the receiver declines it once
         self.sends_device_pieces = True  # GPU pieces travel over NCCL
 
-    def send(self, header: bytes, payload: memoryview | bytes | torch.Tensor, timeout_s: float) -> None:
+    def send(
+        self, header: bytes, payload: memoryview | bytes | torch.Tensor, timeout_s: float, tag: str | None = None
+    ) -> None:
         with self._lock:
             deadline = self._ready(header, timeout_s)
             self._deliver(header, [self._payload_tensor(payload, self._receiver_device)], False, deadline)
 
-    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float) -> bool:
+    def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float, tag: str | None = None) -> bool:
         if not self.sends_in_place or not 0 < len(pieces) <= MAX_DIRECT_PIECES:
             return False
         with self._lock:

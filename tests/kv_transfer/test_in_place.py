@@ -281,14 +281,14 @@ def test_layers_queued_behind_a_busy_sender_leave_in_one_chunk(transport, monkey
 
     def gated_connect(endpoint):
         channel = connect(endpoint)
-        send_pieces = channel.send_pieces
+        send_spans = channel.send_spans
 
-        def recording_send_pieces(header, pieces, timeout_s):
+        def recording_send_spans(header, layers, spans, timeout_s, tag=None):
             gate.wait(10)  # the sender is busy while the forward pass queues more layers
-            chunks.append((msgpack.unpackb(msgpack.unpackb(header)["body"]), len(pieces)))
-            return send_pieces(header, pieces, timeout_s)
+            chunks.append((msgpack.unpackb(msgpack.unpackb(header)["body"]), len(layers) * len(spans)))
+            return send_spans(header, layers, spans, timeout_s, tag)
 
-        channel.send_pieces = recording_send_pieces
+        channel.send_spans = recording_send_spans
         return channel
 
     monkeypatch.setattr(transport, "connect", gated_connect)
@@ -485,10 +485,10 @@ def test_small_layers_queued_together_are_copied_into_one_message(backend, monke
         for name in ("send", "send_staged"):
             original = getattr(channel, name, None)
 
-            def recording(header, payload, timeout_s, original=original):
+            def recording(header, payload, timeout_s, tag=None, original=original):
                 gate.wait(10)  # the sender is busy while the forward pass queues more layers
                 chunks.append(msgpack.unpackb(msgpack.unpackb(header)["body"]))
-                return original(header, payload, timeout_s)
+                return original(header, payload, timeout_s, tag)
 
             setattr(channel, name, recording)
         return channel
