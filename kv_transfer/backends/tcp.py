@@ -402,6 +402,10 @@ def _outcome_of(exc: Exception, consumed: bool) -> _Outcome:
 # --- sender side -----------------------------------------------------------------------------
 
 
+class _Unread(Exception):
+    """A chunk sent behind a refusal that closed the connection: the receiver never read it."""
+
+
 class _TcpChannel(KVChannel):
     """One connection to a receiver endpoint, opened on first use; one sender thread at a time.
 
@@ -501,38 +505,53 @@ class _TcpChannel(KVChannel):
         head = _HEAD.pack(_MAGIC, len(header), nbytes, min(int(timeout_s * 1000), 0xFFFFFFFF), in_place)
         with self._lock:
             try:
-                # Verdicts that arrived meanwhile; at the cap, wait for the oldest.
-                self._settle(everything=False, at_least_one=len(self._posted) >= _MAX_POSTED)
-                sock = self._connection(deadline)
                 try:
-                    _send_all(sock, [memoryview(head), memoryview(header), *parts], deadline, "sending a chunk")
-                except (BrokenPipeError, ConnectionResetError) as exc:
-                    if self._posted:
-                        # Closed after refusing an earlier chunk: read why; every chunk since is lost.
-                        with contextlib.suppress(OSError):
-                            self._settle(everything=True)
-                        raise ConnectionError(f"the receiver closed the connection ({exc})") from None
-                    # The receiver answered and closed early (a chunk over its limit): read why.
-                    status, reason, _ = _recv_verdict(sock, min(deadline, time.monotonic() + 1.0), "reading a refusal")
-                    self._drop()
-                    return status, reason
-                self._last_used = time.monotonic()
-                if tag is not None:
-                    self._posted.append((tag, deadline))
-                    return None
-                self._settle(everything=True)  # the verdicts of earlier chunks come first
-                if self._sock is None:  # closed after refusing one of them: this chunk was never read
-                    raise ConnectionError("the receiver closed the connection after refusing an earlier chunk")
-                status, reason, closing = _recv_verdict(sock, deadline, "waiting for the receiver's verdict")
-                if closing:  # a refusal that ends the connection: the next chunk takes a fresh one
-                    self._drop()
+                    return self._exchange_once(head, header, parts, deadline, tag)
+                except _Unread:
+                    # The receiver closed the connection after refusing an earlier chunk, before
+                    # reading this one: safe to send again, on a fresh connection.
+                    return self._exchange_once(head, header, parts, deadline, tag)
+            except _Unread as exc:
+                raise ConnectionError(f"{self.endpoint}: {exc}") from None
             except TimeoutError:
                 self._broken(TimeoutError(f"no verdict from {self.endpoint} within {timeout_s:.1f}s"))
                 raise TimeoutError(f"no verdict from {self.endpoint} within {timeout_s:.1f}s") from None
             except OSError as exc:
                 self._broken(ConnectionError(f"{self.endpoint}: {exc}"))
                 raise ConnectionError(f"{self.endpoint}: {exc}") from None
+
+    def _exchange_once(
+        self, head: bytes, header: bytes, parts: list[memoryview], deadline: float, tag: str | None
+    ) -> tuple[int, str] | None:
+        """One attempt at ``_exchange``. Lock held. Raises _Unread if the chunk was sent behind a
+        refusal that closed the connection (the receiver never read it), OSError if it broke."""
+        # Verdicts that arrived meanwhile; at the cap, wait for the oldest.
+        self._settle(everything=False, at_least_one=len(self._posted) >= _MAX_POSTED)
+        sock = self._connection(deadline)
+        try:
+            _send_all(sock, [memoryview(head), memoryview(header), *parts], deadline, "sending a chunk")
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            if self._posted:
+                with contextlib.suppress(OSError):
+                    self._settle(everything=True)  # why it closed, if the verdicts can still be read
+                if self._sock is None:
+                    raise _Unread("closed after refusing an earlier chunk") from None
+                raise ConnectionError(f"the receiver closed the connection ({exc})") from None
+            # The receiver answered and closed early (a chunk over its limit): read why.
+            status, reason, _ = _recv_verdict(sock, min(deadline, time.monotonic() + 1.0), "reading a refusal")
+            self._drop()
             return status, reason
+        self._last_used = time.monotonic()
+        if tag is not None:
+            self._posted.append((tag, deadline))
+            return None
+        self._settle(everything=True)  # the verdicts of earlier chunks come first
+        if self._sock is None:
+            raise _Unread("closed after refusing an earlier chunk")
+        status, reason, closing = _recv_verdict(sock, deadline, "waiting for the receiver's verdict")
+        if closing:  # a refusal that ends the connection: the next chunk takes a fresh one
+            self._drop()
+        return status, reason
 
     def _settle(self, everything: bool, at_least_one: bool = False) -> None:
         """Read posted chunks' verdicts in order: all of them (``everything``), else those already

@@ -211,6 +211,86 @@ def test_chunks_without_a_valid_ticket_close_their_connection_before_anything_is
     assert torch.all(dst.caches[0][2][:, 1:5] == 1)
 
 
+def test_posted_chunks_stream_without_a_round_trip_and_their_refusals_come_back_under_their_tags(transports):
+    server = transports()
+    receiver, ticket, dst = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    assert channel.pipelines
+    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="req-1")
+    channel.send(*_copied_chunk(ticket, layer=0, value=9.0), 5, tag="req-1")  # a duplicate: refused later
+    channel.send(*_copied_chunk(ticket, layer=1, value=2.0), 5, tag="req-1")
+    assert channel.num_posted >= 1  # returned before (some of) their verdicts
+    failures = channel.collect(wait=True, timeout_s=5)
+    assert [(tag, type(error)) for tag, error in failures] == [("req-1", TransferRefused)]
+    assert "already landed" in str(failures[0][1]) and channel.num_posted == 0
+    # A chunk without a tag waits for its own verdict, reading those posted before it first.
+    channel.send(*_copied_chunk(ticket, layer=1, value=7.0), 5, tag="req-1")
+    with pytest.raises(TransferRefused, match="already landed"):
+        channel.send(*_copied_chunk(ticket, layer=1, value=8.0), 5)
+    assert [tag for tag, _ in channel.collect(wait=False, timeout_s=5)] == ["req-1"]
+    channel.send(*_copied_chunk(ticket, layer=2, value=3.0), 5)
+    assert torch.all(dst.caches[0][0][:, 1:5] == 1) and torch.all(dst.caches[0][1][:, 1:5] == 2)
+    assert torch.all(dst.caches[0][2][:, 1:5] == 3)
+    assert server.num_connections() == 1 and receiver.refusals["duplicate"] == 3
+
+
+def test_late_chunks_of_a_released_transfer_leave_the_connection_to_the_others(transports):
+    server = transports()
+    receiver, ticket, dst = _serve_one(server, blocks=(1, 2, 3, 4))
+    other = make_ticket("req-2", "tcp", ticket.receiver_endpoints, dst.layouts[0], "m", [5, 6, 7, 8], 13, 30)
+    receiver.expect(other)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="req-1")
+    assert channel.collect(wait=True, timeout_s=5) == []
+    receiver.release("req-1")  # cancelled on the decode side while its prefill still sends
+    channel.send(*_copied_chunk(ticket, layer=1), 5, tag="req-1")
+    header = layer_chunk_header(request_id="req-2", layer=0, num_heads=2, num_blocks=4, nbytes=LAYER_BYTES)
+    payload = torch.full((LAYER_BYTES // 4,), 5.0).numpy().tobytes()
+    channel.send(encode_header(header, other.secret), payload, 5, tag="req-2")
+    failures = channel.collect(wait=True, timeout_s=5)
+    assert [(tag, "released" in str(error)) for tag, error in failures] == [("req-1", True)]
+    assert torch.all(dst.caches[0][0][:, 5:9] == 5)  # req-2's chunk landed on the same connection
+    assert server.num_connections() == 1 and receiver.refusals["released"] == 1
+    # The released ticket's secret still authenticates: a forged late chunk is told apart.
+    with pytest.raises((TransferRefused, ConnectionError)):
+        channel.send(*_copied_chunk(ticket, layer=2, secret=b"forged"), 5)
+    assert receiver.refusals["bad_signature"] == 1
+
+
+def test_a_connection_closed_behind_posted_chunks_fails_each_of_them(transports):
+    server = transports()
+    _, ticket, dst = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    channel.send(*_copied_chunk(ticket, layer=0, secret=b"forged"), 5, tag="forged")  # closes the connection
+    # Sent behind it: on that connection if its verdict has not come back yet (then never read by
+    # the receiver, and failed), else on a fresh one (then it lands).
+    channel.send(*_copied_chunk(ticket, layer=1), 5, tag="req-1")
+    failures = dict(channel.collect(wait=True, timeout_s=5))
+    assert isinstance(failures.pop("forged"), TransferRefused) and channel.num_posted == 0
+    lost = failures.pop("req-1", None)
+    assert failures == {} and (isinstance(lost, ConnectionError) if lost else True)
+    assert torch.all(dst.caches[0][1][:, 1:5] == (0 if lost else 1)) and torch.count_nonzero(dst.caches[0][0]) == 0
+    channel.send(*_copied_chunk(ticket, layer=2), 5)  # the channel goes on, on a fresh connection
+    assert torch.all(dst.caches[0][2][:, 1:5] == 1)
+
+
+def test_a_connection_that_breaks_with_verdicts_outstanding_fails_each_of_their_chunks(transports):
+    server = transports()
+    receiver, ticket, _ = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    gate = threading.Event()
+    apply = receiver.apply
+    receiver.apply = lambda *args: gate.wait(10) and apply(*args)  # the receiver stalls on the first chunk
+    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="a")
+    channel.send(*_copied_chunk(ticket, layer=1), 5, tag="b")
+    assert channel.num_posted == 2
+    server.shutdown(join_s=0.1)  # the receiver goes away with both verdicts outstanding
+    gate.set()
+    failures = dict(channel.collect(wait=True, timeout_s=5))
+    assert set(failures) == {"a", "b"} and all(isinstance(e, ConnectionError) for e in failures.values())
+    assert channel.num_posted == 0
+
+
 def test_a_refused_in_place_chunk_too_large_to_skip_closes_the_connection(transports):
     receiver, ticket, dst = _serve_one(transports(max_payload_bytes=1 << 20))
     header = _in_place_header(ticket)  # authentic, but its declared size does not match its layers
