@@ -20,9 +20,13 @@ Transfers under 64 MB last milliseconds: they take the best of at least 10 pushe
 
 "One layer's transfer" is measured two ways. Back to back, a sender that falls behind sends the
 layers queued together, so a layer costs the whole transfer over the number of layers ("hidden %").
-Behind a forward pass, layers leave one at a time, each with its own round trips: "solo layer ms"
-hands each layer over only once the previous one was acknowledged, and "hidden % solo" uses twice
-that as the compute time — the case the target names, compute per layer above transfer per layer.
+Behind a forward pass, layers leave one at a time, each as its own chunk: "solo layer ms" hands
+each layer over only once the previous one has left (been acknowledged; over tcp, which pipelines
+chunks, been handed to the kernel), and "hidden % solo" uses twice that as the compute time — the
+case the target names, compute per layer above transfer per layer. What is not hidden is the tail
+once the last layer is computed (that layer, the "done" and its round trip) plus the time the
+compute thread spent handing layers over (a queue put each, which waits for the GIL while the
+sending thread holds it).
 """
 
 from __future__ import annotations

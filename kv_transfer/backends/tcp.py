@@ -300,6 +300,8 @@ class _Endpoint:
     ) -> tuple[bytearray, _Outcome]:
         """A payload into the connection's reused buffer, then ``apply``; nothing is allocated for
         a chunk whose header is not authentic or whose size its ticket could not hold."""
+        if not nbytes:  # nothing to allocate or read (a "done"): apply() authenticates it, once
+            return buffer, _refusal(lambda: self.receiver.apply(header, b""), consumed=True) or _Outcome(_OK, "")
         refused = _refusal(lambda: self.receiver.check_header(header, nbytes), consumed=False)
         if refused is not None:
             return buffer, refused
