@@ -14,8 +14,9 @@ How a layer leaves, best first:
                 together leave in one message of up to 16 MB
 A sender that fell behind the forward pass sends the layers queued meanwhile together, in one chunk.
 Over a transport that pipelines (shm's pulled chunks, tcp), a layer's chunk leaves without waiting
-for the verdict of the one before: the verdicts are read as they come, and the "done" waits for
-every one of them, so a refusal still fails the request before it could count as DONE.
+for the verdict of the one before (over tcp, the one before of the same request): the verdicts are
+read as they come, and the "done" waits for every one of them, so a refusal still fails the request
+before it could count as DONE.
 
 Per request:  PENDING ─▶ TRANSFERRING ─▶ DONE (every receiver acknowledged the "done") | FAILED.
 The source blocks stay the caller's to hold until ``poll`` says the transfer is terminal.
@@ -222,9 +223,11 @@ class KVSender:
 
     def _collect(self, wait: bool) -> None:
         """Fail the requests whose posted chunks the receiver refused (or never answered)."""
-        with self._lock:
-            deadlines = [o.ticket.lease_deadline for o in self._outgoing.values() if not o.state.is_terminal]
-        timeout = max(0.05, max(deadlines, default=time.time()) - time.time())
+        timeout = 0.0
+        if wait:
+            with self._lock:
+                deadlines = [o.ticket.lease_deadline for o in self._outgoing.values() if not o.state.is_terminal]
+            timeout = max(0.05, max(deadlines, default=time.time()) - time.time())
         for channel in list(self._posting):
             for request_id, error in channel.collect(wait, timeout):
                 logger.warning("KV transfer of %s failed: %s", request_id, error)

@@ -232,6 +232,8 @@ class _ShmChannel(KVChannel):
                 self._read_posted_verdict()
             except (TimeoutError, ConnectionError):
                 break  # every outstanding tag has been failed by _broken
+        if self.posted and time.monotonic() > self.posted[0][1]:  # overdue: the receiver is stuck
+            self._broken(TimeoutError("no verdict within the chunk's deadline"))
         failures, self.late_failures = self.late_failures, []
         return failures
 

@@ -23,6 +23,9 @@ place) reads the payload and drops it before answering. A payload above ``max_pa
 from no valid ticket is answered and the connection closed instead (the verdict says so: the sender
 takes a fresh connection for its next chunk); a malformed head closes it.
 
+Pipelining: a request's layer chunks follow one another without waiting for their verdicts, which
+the sender reads as they come; its "done" waits for all of them (see ``_TcpChannel``).
+
 Deadlines: every send and receive carries the chunk's deadline (the sender's ``timeout_s``; on the
 receiver, no later than ``idle_s`` nor, for a chunk received in place, the ticket's lease).
 ``KVReceiver.release`` cuts a payload in flight short by shutting its socket down, so nothing lands
@@ -66,7 +69,10 @@ _MAX_HEADER_BYTES = 64 << 10
 _MAX_REASON_BYTES = 1024
 _OK, _REFUSED, _UNAVAILABLE, _DECLINED = 0, 1, 2, 3
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
-_MAX_POSTED = 32  # chunks awaiting their verdict per connection (32 verdicts of <= 1 KB fit any socket buffer)
+# Chunks awaiting their verdict per connection: their verdicts (<= ~1 KB each, ~34 KB in all with
+# the current chunk's) fit the receive buffer (128 KB by default on Linux), so a receiver never
+# blocks writing one while its sender blocks writing a chunk.
+_MAX_POSTED = 32
 _BOUNCE_BYTES = 4 << 20  # a GPU cache is received through host memory in slices of this size
 _DISCARD_BYTES = 1 << 20
 _ACCEPT_POLL_S = 0.2  # how soon shutdown() stops the accept thread
@@ -413,10 +419,11 @@ class _TcpChannel(KVChannel):
 
     Pipelined: a chunk sent with a tag returns once the kernel holds its bytes (its memory may be
     reused then), and its verdict is read later, in order (``collect``, or before the next chunk
-    that waits for its own). The receiver answers every chunk of a connection in turn, so layers
-    stream without a round trip each. At most ``_MAX_POSTED`` verdicts are outstanding: their bytes
-    (at most ~1 KB each) always fit the socket buffers, so the receiver never blocks writing one
-    while the sender blocks writing a chunk."""
+    that waits for its own). The receiver answers every chunk of a connection in turn, so a
+    request's layers stream without a round trip each. Only one request's chunks are outstanding at
+    a time (the verdicts are read before another request's chunk leaves), so whatever ends the
+    connection — a refusal that closes it, ``release()`` cutting a payload short — fails no other
+    request. At most ``_MAX_POSTED`` verdicts are outstanding (see there)."""
 
     in_place_min_piece_bytes = 0  # a piece costs no message of its own here: small ones go in place too
     pipelines = True
@@ -487,11 +494,10 @@ class _TcpChannel(KVChannel):
     def collect(self, wait: bool, timeout_s: float) -> list[tuple[str, Exception]]:
         with self._lock:
             if self._posted:
-                oldest = self._posted[0][1]
                 try:
-                    if not wait and time.monotonic() > oldest:  # a verdict overdue: the receiver is stuck
-                        raise TimeoutError("no verdict within the chunk's deadline")
                     self._settle(everything=wait)
+                    if self._posted and time.monotonic() > self._posted[0][1]:  # overdue: the receiver is stuck
+                        raise TimeoutError("no verdict within the chunk's deadline")
                 except OSError as exc:
                     self._broken(ConnectionError(f"{self.endpoint}: {exc}"))
             failures, self._late = self._late, []
@@ -527,15 +533,18 @@ class _TcpChannel(KVChannel):
     ) -> tuple[int, str] | None:
         """One attempt at ``_exchange``. Lock held. Raises _Unread if the chunk was sent behind a
         refusal that closed the connection (the receiver never read it), OSError if it broke."""
-        # Verdicts that arrived meanwhile; at the cap, wait for the oldest.
-        self._settle(everything=False, at_least_one=len(self._posted) >= _MAX_POSTED)
+        # Verdicts that arrived meanwhile; at the cap, wait for the oldest. Only one request's
+        # chunks are ever outstanding: before another's chunk, every verdict is read, so a refusal
+        # that closes the connection (or a payload cut short by release()) costs no other request.
+        other_request = any(posted_tag != tag for posted_tag, _ in self._posted)
+        self._settle(other_request, len(self._posted) >= _MAX_POSTED, limit=deadline)
         sock = self._connection(deadline)
         try:
             _send_all(sock, [memoryview(head), memoryview(header), *parts], deadline, "sending a chunk")
         except (BrokenPipeError, ConnectionResetError) as exc:
             if self._posted:
                 with contextlib.suppress(OSError):
-                    self._settle(everything=True)  # why it closed, if the verdicts can still be read
+                    self._settle(everything=True, limit=deadline)  # why it closed, if still readable
                 if self._sock is None:
                     raise _Unread("closed after refusing an earlier chunk") from None
                 raise ConnectionError(f"the receiver closed the connection ({exc})") from None
@@ -547,7 +556,7 @@ class _TcpChannel(KVChannel):
         if tag is not None:
             self._posted.append((tag, deadline))
             return None
-        self._settle(everything=True)  # the verdicts of earlier chunks come first
+        self._settle(everything=True, limit=deadline)  # the verdicts of earlier chunks come first
         if self._sock is None:
             raise _Unread("closed after refusing an earlier chunk")
         status, reason, closing = _recv_verdict(sock, deadline, "waiting for the receiver's verdict")
@@ -555,17 +564,21 @@ class _TcpChannel(KVChannel):
             self._drop()
         return status, reason
 
-    def _settle(self, everything: bool, at_least_one: bool = False) -> None:
+    def _settle(self, everything: bool, at_least_one: bool = False, limit: float = float("inf")) -> None:
         """Read posted chunks' verdicts in order: all of them (``everything``), else those already
-        here (and the oldest, ``at_least_one``). Each waits until its own chunk's deadline, not the
-        deadline of the chunk being sent now. Lock held; raises OSError if the connection broke."""
+        here (and the oldest, ``at_least_one``). Each waits until its own chunk's deadline, and no
+        later than ``limit`` (the deadline of a chunk being sent now: a request must not outlive its
+        lease waiting on another's). Lock held; raises OSError if the connection broke."""
         while self._posted and self._sock is not None:
             if not (everything or at_least_one or _readable(self._sock)):
                 return
             at_least_one = False
             tag, deadline = self._posted[0]
-            status, reason, closing = _recv_verdict(self._sock, max(deadline, time.monotonic() + 0.05), "a verdict")
+            wait_until = min(max(deadline, time.monotonic() + 0.05), limit)
+            status, reason, closing = _recv_verdict(self._sock, wait_until, "waiting for a posted chunk's verdict")
             self._posted.popleft()
+            if status == _DECLINED:  # this receiver takes copies only: the next chunks are copied
+                self.sends_in_place = False
             if status != _OK:
                 self._late.append((tag, _error_for(self.endpoint, status, reason)))
             if closing:  # the chunks after that one were never read
@@ -649,7 +662,8 @@ def _raise_for(endpoint: str, status: int, reason: str) -> None:
 
 
 def _readable(sock: socket.socket) -> bool:
-    """Between chunks the receiver sends nothing: readable means it closed the connection."""
+    """Whether a read would not block. With no verdict outstanding the receiver sends nothing, so
+    then readable means it closed the connection."""
     try:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):

@@ -18,6 +18,7 @@ from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_tick
 from kv_transfer.backends import tcp
 from kv_transfer.backends.tcp import TcpConfig, TcpTransport
 from kv_transfer.protocol import encode_header
+from kv_transfer.receiver import NotInPlace
 from kv_transfer.transport import TransferRefused
 from tests.kv_transfer.harness import layer_chunk_header, make_side, wait_terminal, wait_until
 from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
@@ -257,6 +258,43 @@ def test_late_chunks_of_a_released_transfer_leave_the_connection_to_the_others(t
     assert receiver.refusals["bad_signature"] == 1
 
 
+def test_only_one_requests_chunks_are_ever_outstanding(transports):
+    server = transports()
+    receiver, ticket, dst = _serve_one(server)
+    other = make_ticket("req-2", "tcp", ticket.receiver_endpoints, dst.layouts[0], "m", [5, 6, 7, 8], 13, 30)
+    receiver.expect(other)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="req-1")
+    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="req-1")  # a duplicate: refused
+    header = layer_chunk_header(request_id="req-2", layer=0, num_heads=2, num_blocks=4, nbytes=LAYER_BYTES)
+    payload = torch.full((LAYER_BYTES // 4,), 5.0).numpy().tobytes()
+    channel.send(encode_header(header, other.secret), payload, 5, tag="req-2")
+    # req-1's verdicts were read before req-2's chunk left: whatever had ended the connection
+    # behind req-1 could not have cost req-2 its chunk.
+    assert [tag for tag, _ in channel._posted] in (["req-2"], [])
+    assert [tag for tag, _ in channel._late] == ["req-1"]
+    assert [tag for tag, _ in channel.collect(wait=True, timeout_s=5)] == ["req-1"]
+    assert torch.all(dst.caches[0][0][:, 5:9] == 5)
+
+
+def test_a_late_decline_of_in_place_chunks_turns_them_off(transports):
+    server = transports()
+    receiver, ticket, _ = _serve_one(server)
+    channel = transports().connect(ticket.receiver_endpoints[0])
+    pieces = [torch.full((LAYER_BYTES // 8,), 1.0)] * 2
+    assert channel.send_pieces(_in_place_header(ticket, layer=0), pieces, 5, tag="req-1")  # waited for: accepted
+
+    def decline(*args, **kwargs):
+        raise NotInPlace("this cache is not contiguous")
+
+    receiver.begin_direct = decline
+    assert channel.send_pieces(_in_place_header(ticket, layer=1), pieces, 5, tag="req-1")  # posted
+    failures = channel.collect(wait=True, timeout_s=5)
+    assert [(tag, type(error)) for tag, error in failures] == [("req-1", TransferRefused)]
+    assert not channel.sends_in_place  # the next chunks go as copies
+    assert not channel.send_pieces(_in_place_header(ticket, layer=2), pieces, 5, tag="req-1")
+
+
 def test_a_connection_closed_behind_posted_chunks_fails_each_of_them(transports):
     server = transports()
     _, ticket, dst = _serve_one(server)
@@ -281,13 +319,13 @@ def test_a_connection_that_breaks_with_verdicts_outstanding_fails_each_of_their_
     gate = threading.Event()
     apply = receiver.apply
     receiver.apply = lambda *args: gate.wait(10) and apply(*args)  # the receiver stalls on the first chunk
-    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="a")
-    channel.send(*_copied_chunk(ticket, layer=1), 5, tag="b")
+    channel.send(*_copied_chunk(ticket, layer=0), 5, tag="req-1")
+    channel.send(*_copied_chunk(ticket, layer=1), 5, tag="req-1")
     assert channel.num_posted == 2
     server.shutdown(join_s=0.1)  # the receiver goes away with both verdicts outstanding
     gate.set()
-    failures = dict(channel.collect(wait=True, timeout_s=5))
-    assert set(failures) == {"a", "b"} and all(isinstance(e, ConnectionError) for e in failures.values())
+    failures = channel.collect(wait=True, timeout_s=5)
+    assert [tag for tag, _ in failures] == ["req-1"] * 2 and all(isinstance(e, ConnectionError) for _, e in failures)
     assert channel.num_posted == 0
 
 
