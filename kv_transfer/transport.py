@@ -53,6 +53,10 @@ class KVChannel(ABC):
         The sender then sends a header naming the blocks and no payload: no copy on this side."""
         return None
 
+    def pull_sources(self, tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+        """``pull_source`` of each tensor (the layers of one chunk), with the connection checked once."""
+        return [self.pull_source(tensor) for tensor in tensors]
+
     def post(self, header: bytes, tag: str, timeout_s: float) -> bool:
         """Optional pipelined path for a pulled chunk (no payload): deliver it without waiting for
         its verdict, which ``collect`` reports later under ``tag``. False if unsupported (then

@@ -197,16 +197,27 @@ class _ShmChannel(KVChannel):
 
     # --- pull: the receiver reads the tensor in place ----------------------------------------
     def pull_source(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            return None
-        found = find_shared_region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        if found is None:
-            return None
-        region, offset = found
-        self._connect(timeout_s=30.0)  # a fresh connection has shared nothing yet
-        if region.region_id not in self.shared:
-            self._share(region, timeout_s=30.0)
-        return region.region_id, offset
+        return self.pull_sources([tensor])[0]
+
+    def pull_sources(self, tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+        found = [
+            find_shared_region(t.data_ptr(), t.numel() * t.element_size())
+            if t.device.type == "cpu" and t.is_contiguous()
+            else None
+            for t in tensors
+        ]
+        if any(f is not None for f in found):
+            self._connect(timeout_s=30.0)  # once (a readiness check each): a fresh connection has shared nothing
+        sources: list[tuple[int, int] | None] = []
+        for f in found:
+            if f is None:
+                sources.append(None)
+                continue
+            region, offset = f
+            if region.region_id not in self.shared:
+                self._share(region, timeout_s=30.0)
+            sources.append((region.region_id, offset))
+        return sources
 
     def post(self, header, tag, timeout_s):
         """Pulled chunks stream without a round trip each: the receiver answers them in order."""

@@ -266,17 +266,17 @@ def test_layers_queued_behind_a_busy_sender_leave_in_one_chunk(transport, monkey
 
     def gated_connect(endpoint):
         channel = connect(endpoint)
-        pull_source, post = channel.pull_source, channel.post
+        pull_sources, post = channel.pull_sources, channel.post
 
-        def slow_pull_source(tensor):
+        def slow_pull_sources(tensors):
             gate.wait(10)  # the sender is busy while the forward pass queues more layers
-            return pull_source(tensor)
+            return pull_sources(tensors)
 
         def recording_post(header, tag, timeout_s):
             posted.append(msgpack.unpackb(msgpack.unpackb(header)["body"]))
             return post(header, tag, timeout_s)
 
-        channel.pull_source, channel.post = slow_pull_source, recording_post
+        channel.pull_sources, channel.post = slow_pull_sources, recording_post
         return channel
 
     monkeypatch.setattr(transport, "connect", gated_connect)
