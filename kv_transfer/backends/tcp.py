@@ -361,12 +361,25 @@ def _recv_targets(conn: socket.socket, write: DirectWrite, deadline: float) -> N
     if views is not None:
         _recv_scattered(conn, views, deadline, "receiving a chunk payload")
         return
-    bounce = torch.empty(_BOUNCE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    bounce = _bounce_buffer()
     for target in write.targets:
         for start in range(0, target.numel(), _BOUNCE_BYTES):
             part = target[start : start + _BOUNCE_BYTES]
             _recv_into(conn, _bytes_of(bounce[: part.numel()]), deadline, "receiving a chunk payload")
             part.copy_(bounce[: part.numel()])
+
+
+_per_connection = threading.local()  # a connection is served by its own thread
+
+
+def _bounce_buffer() -> torch.Tensor:
+    """This connection's host buffer for a GPU cache, allocated once (pinned memory is slow to get)."""
+    bounce = getattr(_per_connection, "bounce", None)
+    if bounce is None:
+        bounce = _per_connection.bounce = torch.empty(
+            _BOUNCE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )
+    return bounce
 
 
 def _discard(conn: socket.socket, nbytes: int, deadline: float) -> None:

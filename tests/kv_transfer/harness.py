@@ -175,3 +175,17 @@ __all__ = [
     "wait_terminal",
     "wait_until",
 ]
+
+
+def made_transports(cls):
+    """The body of a ``transports`` fixture: yields ``make(**options)``, which builds a transport of
+    ``cls`` (server side and client side are kept apart, as in two processes); all are shut down after."""
+    made = []
+
+    def make(**options):
+        made.append(cls(**options))
+        return made[-1]
+
+    yield make
+    for transport in made:
+        transport.shutdown()

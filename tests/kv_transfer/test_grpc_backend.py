@@ -21,22 +21,13 @@ from kv_transfer.backends.grpc_backend import GrpcTransport
 from kv_transfer.protocol import ChunkHeader, encode_header
 from kv_transfer.transport import TransferRefused
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
-from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal
+from tests.kv_transfer.harness import assert_bit_exact, made_transports, make_side, transfer, wait_terminal
 from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
 
 
 @pytest.fixture
 def transports():
-    """Server-side and client-side transports kept apart, as in two processes."""
-    made: list[GrpcTransport] = []
-
-    def make(**options) -> GrpcTransport:
-        made.append(GrpcTransport(**options))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown()
+    yield from made_transports(GrpcTransport)
 
 
 def _layer_chunk(ticket: KVTicket, layer: int, value: float = 1.0) -> tuple[bytes, bytes]:

@@ -20,7 +20,7 @@ from kv_transfer.backends.tcp import TcpConfig, TcpTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.receiver import NotInPlace
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import layer_chunk_header, make_side, wait_terminal, wait_until
+from tests.kv_transfer.harness import layer_chunk_header, made_transports, make_side, wait_terminal, wait_until
 from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
 
 LAYER_BYTES = 2 * 4 * 4 * 2 * 8 * 4  # the harness's default shard: K and V of 4 blocks, 4 tokens x 2 heads x 8, fp32
@@ -28,16 +28,7 @@ LAYER_BYTES = 2 * 4 * 4 * 2 * 8 * 4  # the harness's default shard: K and V of 4
 
 @pytest.fixture
 def transports():
-    """Server-side and client-side transports kept apart, as in two processes."""
-    made: list[TcpTransport] = []
-
-    def make(**options) -> TcpTransport:
-        made.append(TcpTransport(**options))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown()
+    yield from made_transports(TcpTransport)
 
 
 def _serve_one(transport: TcpTransport, lease_s: float = 30.0, blocks=(1, 2, 3, 4)):

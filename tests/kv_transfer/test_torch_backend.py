@@ -18,22 +18,14 @@ from kv_transfer.backends import torch_dist
 from kv_transfer.backends.torch_dist import TorchDistTransport
 from kv_transfer.protocol import ChunkHeader, checksum, encode_header
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import assert_bit_exact, make_side, transfer, wait_terminal, wait_until
+from tests.kv_transfer.harness import assert_bit_exact, made_transports, make_side, transfer, wait_terminal, wait_until
 
 _LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
 @pytest.fixture
 def transports():
-    made: list[TorchDistTransport] = []
-
-    def make(**options) -> TorchDistTransport:
-        made.append(TorchDistTransport(**options))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown()
+    yield from made_transports(TorchDistTransport)
 
 
 def _serve_one(transport: TorchDistTransport, lease_s: float = 30.0):
