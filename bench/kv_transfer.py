@@ -10,7 +10,11 @@ allocates it in shared memory for this backend); "shm-staged" sends from a priva
 
 Ceilings: memcpy (torch copy of 1 GiB; the limit for shared memory), a raw loopback TCP stream
 (the limit for network backends), both measured again next to each row (the best of two runs), and
-what grpcio and gloo reach on their own here ("of library").
+what grpcio and gloo reach on their own here ("of library"). A transfer under 64 MB lasts a few
+milliseconds, where a stream's GB/s is the wrong yardstick: "one-shot ms" is the floor for the same
+bytes with nothing of ours — another process, already connected, takes them off a raw loopback
+socket (network backends) or copies them out of shared memory on a go-byte (shm) and answers one
+byte — and "of one-shot" is that floor over the backend's time.
 The "hidden %" column pushes each transfer's layers behind a simulated per-layer compute time of
 twice one layer's transfer, and reports the share of the transfer that compute hid; "first layer
 ms" comes from that run: from the compute thread handing layer 0 over to the receiver having all
@@ -23,7 +27,8 @@ layers queued together, so a layer costs the whole transfer over the number of l
 Behind a forward pass, layers leave one at a time, each as its own chunk: "solo layer ms" hands
 each layer over only once the previous one has left (been acknowledged; over tcp, which pipelines
 chunks, been handed to the kernel), and "hidden % solo" uses twice that as the compute time — the
-case the target names, compute per layer above transfer per layer. What is not hidden is the tail
+case the target names, compute per layer above transfer per layer. "tail ms" is what that run left unhidden, in
+milliseconds. What is not hidden is the tail
 once the last layer is computed (that layer, the "done" and its round trip) plus the time the
 compute thread spent handing layers over (a queue put each, which waits for the GIL while the
 sending thread holds it).
@@ -101,6 +106,82 @@ def _tcp_stream(num_bytes: int, chunk: int) -> float:
     client.close()
     server.close()
     return received[0] / elapsed
+
+
+def _one_shot_peer(port: int, num_bytes: int, shm_name: str | None) -> None:
+    """The receiving process of ``one_shot_seconds``: per go-byte, take ``num_bytes`` (off the
+    socket, or copied out of the shared segment ``shm_name``) and answer one byte."""
+    from multiprocessing import shared_memory
+
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    dst = bytearray(num_bytes)
+    view = memoryview(dst)
+    segment = shared_memory.SharedMemory(shm_name) if shm_name else None
+    src = torch.frombuffer(segment.buf, dtype=torch.uint8, count=num_bytes) if segment else None
+    try:
+        while conn.recv(1):
+            if src is not None:
+                torch.frombuffer(dst, dtype=torch.uint8).copy_(src)
+            else:
+                filled = 0
+                while filled < num_bytes:
+                    n = conn.recv_into(view[filled:])
+                    if not n:
+                        return
+                    filled += n
+            conn.sendall(b"k")
+    finally:
+        conn.close()
+        del src
+        if segment is not None:
+            segment.close()
+
+
+def one_shot_seconds(num_bytes: int, same_host: bool, repeats: int = 20) -> float:
+    """The floor of one short transfer, with nothing of ours: another process, already connected,
+    takes ``num_bytes`` and answers one byte — over a raw loopback socket (the network backends'
+    floor) or by copying them out of shared memory when a byte says go (shm's). Best of ``repeats``.
+    A stream's GB/s is the wrong ceiling for a few MB: a wake-up and a round trip are part of it."""
+    from multiprocessing import shared_memory
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(120)
+    segment = shared_memory.SharedMemory(create=True, size=num_bytes) if same_host else None
+    if segment is not None:  # written, as a cache is: untouched pages would all read one zero page
+        torch.frombuffer(segment.buf, dtype=torch.uint8, count=num_bytes).fill_(1)
+    peer = mp.get_context("spawn").Process(
+        target=_one_shot_peer,
+        args=(server.getsockname()[1], num_bytes, segment.name if segment else None),
+        daemon=True,
+    )
+    peer.start()
+    try:
+        conn, _ = server.accept()
+        conn.settimeout(60)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = memoryview(bytearray(num_bytes))
+        times = []
+        for _ in range(repeats + 2):  # two warm-ups
+            start = time.perf_counter()
+            conn.sendall(b"g")
+            if segment is None:
+                conn.sendall(payload)
+            if conn.recv(1) != b"k":
+                raise ConnectionError("the one-shot peer went away")
+            times.append(time.perf_counter() - start)
+        conn.close()
+        return min(times[2:])
+    finally:
+        server.close()
+        peer.join(10)
+        if peer.is_alive():
+            peer.kill()
+        if segment is not None:
+            segment.close()
+            segment.unlink()
 
 
 def _grpc_stream_bandwidth(num_bytes: int = 512 << 20, piece: int = 1 << 20) -> float:
@@ -392,6 +473,7 @@ def main(argv: list[str] | None = None) -> dict:
                     paced, _, paced_compute = _median_hidden(
                         [pair.run(compute_per_layer_s=2 * solo) for _ in range(3 if short else 1)]
                     )
+                    one_shot = one_shot_seconds(pair.num_bytes, same_host) if short and backend != "inproc" else None
                     row = {
                         "backend": backend,
                         "layout": name,
@@ -403,11 +485,15 @@ def main(argv: list[str] | None = None) -> dict:
                         "ceiling GB/s": ceiling / 1e9,
                         "of ceiling": pair.num_bytes / best / ceiling,
                     }
+                    if one_shot is not None:
+                        row["one-shot ms"] = one_shot * 1e3
+                        row["of one-shot"] = one_shot / best
                     if library.get(backend):
                         row["of library"] = pair.num_bytes / best / library[backend]
                     row["hidden %"] = 100 * max(0.0, min(1.0, (compute_total + best - overlapped) / best))
                     row["solo layer ms"] = solo * 1e3
                     row["hidden % solo"] = 100 * max(0.0, min(1.0, (paced_compute + best - paced) / best))
+                    row["tail ms"] = (paced - paced_compute) * 1e3  # not hidden: after compute, and handing layers over
                     rows.append(row)
                 finally:
                     pair.close()
@@ -425,9 +511,12 @@ def main(argv: list[str] | None = None) -> dict:
             "ceiling GB/s",
             "of ceiling",
             "of library",
+            "one-shot ms",
+            "of one-shot",
             "hidden %",
             "solo layer ms",
             "hidden % solo",
+            "tail ms",
             "note",
         ],
     )

@@ -87,6 +87,17 @@ def test_hand_encoded_pieces_are_protobuf_pieces(size):
     assert isinstance(grpc_backend._decode_piece(raw[0]), kv_transfer_pb2.Piece)
 
 
+@pytest.mark.parametrize("piece_bytes", [7, 1000, 4096])
+def test_small_parts_share_pieces(piece_bytes):
+    # Per-layer spans of a short transfer are small: they are packed into full pieces, never one each.
+    parts = [memoryview(os.urandom(n)) for n in (300, 1, 2500, 0, 999, 64)]
+    raw = list(grpc_backend._encode_pieces(b"hdr", parts, piece_bytes=piece_bytes))
+    data = [_decoded_data(r) for r in raw[1:]]
+    assert b"".join(data) == b"".join(bytes(p) for p in parts)
+    assert all(len(d) == piece_bytes for d in data[:-1]) and 0 < len(data[-1]) <= piece_bytes
+    assert kv_transfer_pb2.Piece.FromString(raw[0]).payload_size == sum(len(p) for p in parts)
+
+
 def _decoded_data(raw: bytes) -> bytes:
     piece = grpc_backend._decode_piece(raw)
     return bytes(piece) if isinstance(piece, memoryview) else piece.data

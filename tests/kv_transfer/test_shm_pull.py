@@ -438,10 +438,10 @@ def test_a_batch_lets_go_of_the_lock_between_groups_and_stops_if_its_request_end
     receiver._lock = lock = CountingLock()
     holds, landed = [], receiver._landed
 
-    def landed_then_check(incoming, layer_header, key, nbytes, **how):
-        landed(incoming, layer_header, key, nbytes, **how)
-        holds.append((layer_header.layer, lock.lock.locked(), lock.acquired))
-        if layer_header.layer == 1:  # meanwhile, elsewhere, the request fails (say, its lease ran out)
+    def landed_then_check(incoming, layer_headers, keys, nbytes, **how):
+        landed(incoming, layer_headers, keys, nbytes, **how)
+        holds.append(([h.layer for h in layer_headers], lock.lock.locked(), lock.acquired))
+        if layer_headers[-1].layer == 1:  # meanwhile, elsewhere, the request fails (say, its lease ran out)
             receiver._fail(incoming, "ended elsewhere")
 
     monkeypatch.setattr(receiver, "_landed", landed_then_check)
@@ -451,6 +451,6 @@ def test_a_batch_lets_go_of_the_lock_between_groups_and_stops_if_its_request_end
     with pytest.raises(TransferRefused, match="ended during its batch"):
         channel.send(header(batch=batch), b"", 5)
     # Layers 0 and 1 landed, each under its own hold of the lock; layer 2 was never written.
-    assert holds == [(0, True, 1), (1, True, 2)] and lock.acquired == 3
+    assert holds == [([0], True, 1), ([1], True, 2)] and lock.acquired == 3
     assert torch.equal(dst.caches[0][1][:, [1, 2, 3, 4]], src.caches[0][1][:, [7, 8, 9, 10]])
     assert torch.count_nonzero(dst.caches[0][2]) == 0
