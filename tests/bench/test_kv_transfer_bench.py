@@ -24,6 +24,9 @@ def test_every_backend_gets_a_row_with_its_ceilings(monkeypatch, tmp_path):
         assert "note" not in row, f"{backend}: {row.get('note')}"
         assert row["GB/s"] > 0 and row["of ceiling"] > 0 and 0 <= row["hidden %"] <= 100
         assert 0 < row["first layer ms"] <= row["ms"] * 10  # a latency of this transfer, not a stray clock
+        assert 0 <= row["hidden % bound"] < 100 and row["tail ms"] > 0
+        if backend != "inproc":  # a short transfer is also set against the same bytes moved once, raw
+            assert row["one-shot ms"] > 0 and row["of one-shot"] > 0
     assert ("of library" in rows["grpc"]) and ("of library" in rows["torch"]) and "of library" not in rows["shm"]
     assert "of library" not in rows["tcp"]  # its library is the socket: the ceiling itself
     assert payload["grpc_stream_bytes_per_s"] > 0 and payload["gloo_bytes_per_s"] > 0
