@@ -84,19 +84,18 @@ def _encode_pieces(header: bytes, parts: list[memoryview], piece_bytes: int, in_
     (a part's slices; the payload is the parts one after another)."""
     size = sum(len(part) for part in parts)
     yield Piece(header=header, payload_size=size, in_place=in_place).SerializeToString()
-    # Slices of consecutive parts share a piece: grpcio costs ~0.1 ms a message here, whatever its size.
+    # Small slices of consecutive parts share a piece (grpcio costs ~0.1 ms a message here, whatever
+    # its size); a slice never straddles two pieces, so large parts go as before, one slice each.
     batch: list[memoryview] = []
     filled = 0
     for part in parts:
-        start = 0
-        while start < len(part):
-            piece = part[start : start + piece_bytes - filled]
-            batch.append(piece)
-            filled += len(piece)
-            start += len(piece)
-            if filled == piece_bytes:
+        for start in range(0, len(part), piece_bytes):
+            piece = part[start : start + piece_bytes]
+            if batch and filled + len(piece) > piece_bytes:
                 yield b"".join((_DATA_TAG, _varint(filled), *batch))  # the one copy of these slices
                 batch, filled = [], 0
+            batch.append(piece)
+            filled += len(piece)
     if batch:
         yield b"".join((_DATA_TAG, _varint(filled), *batch))
 

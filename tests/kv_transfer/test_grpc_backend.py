@@ -88,14 +88,26 @@ def test_hand_encoded_pieces_are_protobuf_pieces(size):
 
 
 @pytest.mark.parametrize("piece_bytes", [7, 1000, 4096])
-def test_small_parts_share_pieces(piece_bytes):
-    # Per-layer spans of a short transfer are small: they are packed into full pieces, never one each.
-    parts = [memoryview(os.urandom(n)) for n in (300, 1, 2500, 0, 999, 64)]
+def test_small_slices_share_pieces(piece_bytes):
+    # The per-layer runs of a short transfer are small: packed into shared pieces, never one each.
+    sizes = (300, 1, 2500, 0, 999, 64, 5000)
+    parts = [memoryview(os.urandom(n)) for n in sizes]
     raw = list(grpc_backend._encode_pieces(b"hdr", parts, piece_bytes=piece_bytes))
     data = [_decoded_data(r) for r in raw[1:]]
     assert b"".join(data) == b"".join(bytes(p) for p in parts)
-    assert all(len(d) == piece_bytes for d in data[:-1]) and 0 < len(data[-1]) <= piece_bytes
-    assert kv_transfer_pb2.Piece.FromString(raw[0]).payload_size == sum(len(p) for p in parts)
+    assert kv_transfer_pb2.Piece.FromString(raw[0]).payload_size == sum(sizes)
+    assert all(0 < len(d) <= piece_bytes for d in data)
+    # A part's slices: cut only at multiples of piece_bytes, so never across two pieces.
+    slices = [min(piece_bytes, n - start) for n in sizes for start in range(0, n, piece_bytes)]
+    assert len(data) < len(slices) if piece_bytes >= 1000 else len(data) <= len(slices)
+    packed, at = [], 0
+    for d in data:  # every piece is whole slices laid end to end
+        run = 0
+        while run < len(d):
+            run += slices[at]
+            at += 1
+        packed.append(run == len(d))
+    assert all(packed) and at == len(slices)
 
 
 def _decoded_data(raw: bytes) -> bytes:
