@@ -510,15 +510,21 @@ class KVReceiver:
                     self._refuse("terminal", f"transfer of {first.request_id} ended during its batch")
             dst = self._stacked[layers[start].layer : layers[end - 1].layer + 1, :, :, :, heads]
             copy_blocks(dst, source, plan, dim=2)
-            for i in range(start, end):
-                if layers[i].checksum is not None:
-                    self._verify_pulled(incoming, layers[i], dst[i - start])
-            group = layers[start:end]
-            self._landed(incoming, group, keys[start:end], sum(h.nbytes for h in group), in_place=True)
+            good = next(
+                (i for i in range(start, end) if not self._pulled_intact(incoming, layers[i], dst[i - start])), end
+            )
+            group = layers[start:good]  # the layers before a bad one land, as in end_direct
+            self._landed(incoming, group, keys[start:good], sum(h.nbytes for h in group), in_place=True)
+            if good < end:
+                self._checksum_failed(incoming, layers[good])
 
     def _verify_pulled(self, incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> None:
-        if header.checksum is not None and checksum(_payload_bytes(dst, incoming.scatter)) != header.checksum:
+        if not self._pulled_intact(incoming, header, dst):
             self._checksum_failed(incoming, header)
+
+    @staticmethod
+    def _pulled_intact(incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> bool:
+        return header.checksum is None or checksum(_payload_bytes(dst, incoming.scatter)) == header.checksum
 
     def _checksum_failed(self, incoming: _Incoming, header: ChunkHeader) -> NoReturn:
         self._fail(incoming, f"checksum mismatch in layer {header.layer}")

@@ -43,8 +43,9 @@ def transport(request):
 
 @pytest.fixture(autouse=True)
 def _small_pieces_in_place(monkeypatch):
-    """These tests' layers are a few KB: send them in place anyway (by default, several layers of
-    small pieces are copied into one message instead; see the copied-batch tests below)."""
+    """These tests' layers are a few KB: send them in place anyway (by default, over torch, several
+    layers of small pieces are copied into one message instead; see the copied-batch tests below).
+    tcp and grpc send any piece in place already: they set their own ``in_place_min_piece_bytes``."""
     monkeypatch.setattr(KVChannel, "in_place_min_piece_bytes", 0)
 
 

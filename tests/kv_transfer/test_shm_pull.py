@@ -164,6 +164,22 @@ def test_a_pulled_chunk_with_a_wrong_checksum_fails_the_request(pulled_chunk):
     assert receiver.refusals["checksum"] == 1
 
 
+def test_a_wrong_checksum_inside_a_pulled_batch_fails_the_request_after_the_layers_before_it(pulled_chunk):
+    receiver, channel, header, src, _ = pulled_chunk
+    body = msgpack.unpackb(msgpack.unpackb(header())["body"])
+    layer_bytes = src.caches[0][0].numel() * 4
+    crcs = [zlib.crc32(src.caches[0][i][:, [7, 8, 9, 10]].contiguous().numpy().tobytes()) for i in range(3)]
+    crcs[1] ^= 1  # layer 1 arrives corrupted
+    batch = [[i, body["src_region"], body["src_offset"] + i * layer_bytes, crcs[i]] for i in range(3)]
+    with pytest.raises(TransferRefused, match="checksum mismatch in layer 1"):
+        channel.send(header(batch=batch, checksum=crcs[0]), b"", 5)
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and "checksum mismatch in layer 1" in status.reason
+    assert receiver.refusals["checksum"] == 1
+    stats = receiver.stats("req-1")
+    assert stats is not None and stats.num_bytes == 2 * 4 * 4 * 2 * 8 * 4  # layer 0 counted as landed, only
+
+
 def test_a_pulled_chunk_with_the_right_checksum_lands(pulled_chunk):
     _, channel, header, src, dst = pulled_chunk
     good = zlib.crc32(src.caches[0][0][:, [7, 8, 9, 10]].contiguous().numpy().tobytes())
