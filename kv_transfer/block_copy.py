@@ -45,11 +45,11 @@ class BlockCopyPlan:
         return self._index_tensors()[1]
 
     def _index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._indexes is None:
+        indexes = self._indexes
+        if indexes is None:
             indexes = (torch.tensor(self.src_ids, dtype=torch.long), torch.tensor(self.dst_ids, dtype=torch.long))
             object.__setattr__(self, "_indexes", indexes)  # a cache, not state: frozen otherwise
-        assert self._indexes is not None
-        return self._indexes
+        return indexes
 
 
 def plan_block_copy(src_ids: list[int], dst_ids: list[int]) -> BlockCopyPlan:

@@ -310,11 +310,8 @@ class KVReceiver:
                 self._refuse("payload", f"layer {first}+ payload not received: {reason}")
             if owner.state.is_terminal:
                 self._refuse("terminal", f"transfer of {write.request_id} already {owner.state.name}")
-            good = intact.index(False) if False in intact else len(intact)  # the layers before a bad one land
-            layers = write.layers[:good]
-            self._landed(owner, layers, write.keys[:good], sum(h.nbytes for h in layers), in_place=True)
-            if good < len(intact):
-                self._checksum_failed(owner, write.layers[good])
+            bad = intact.index(False) if False in intact else len(intact)
+            self._land_before(owner, write.layers, write.keys, bad)
 
     # --- helpers (hold the lock) -----------------------------------------------------------
     def _full_layer_bytes(self, ticket: KVTicket) -> int:
@@ -510,13 +507,19 @@ class KVReceiver:
                     self._refuse("terminal", f"transfer of {first.request_id} ended during its batch")
             dst = self._stacked[layers[start].layer : layers[end - 1].layer + 1, :, :, :, heads]
             copy_blocks(dst, source, plan, dim=2)
-            good = next(
-                (i for i in range(start, end) if not self._pulled_intact(incoming, layers[i], dst[i - start])), end
-            )
-            group = layers[start:good]  # the layers before a bad one land, as in end_direct
-            self._landed(incoming, group, keys[start:good], sum(h.nbytes for h in group), in_place=True)
-            if good < end:
-                self._checksum_failed(incoming, layers[good])
+            intact = (self._pulled_intact(incoming, layers[i], dst[i - start]) for i in range(start, end))
+            bad = next((i for i, ok in enumerate(intact) if not ok), end - start)
+            self._land_before(incoming, layers[start:end], keys[start:end], bad)
+
+    def _land_before(
+        self, incoming: _Incoming, headers: list[ChunkHeader], keys: list[tuple[int, int, int]], bad: int
+    ) -> None:
+        """Chunks written in place whose checksums were checked: those before index ``bad`` land;
+        the one at ``bad`` (if any) failed its checksum and fails the request."""
+        landed = headers[:bad]
+        self._landed(incoming, landed, keys[:bad], sum(h.nbytes for h in landed), in_place=True)
+        if bad < len(headers):
+            self._checksum_failed(incoming, headers[bad])
 
     def _verify_pulled(self, incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> None:
         if not self._pulled_intact(incoming, header, dst):
