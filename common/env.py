@@ -23,3 +23,15 @@ def run_state_file() -> Path:
     """Where a running ``pdserve serve`` records its configuration, for ``status`` and ``scale``."""
     configured = os.environ.get("PDSERVE_STATE_FILE")
     return Path(configured).expanduser() if configured else cache_dir() / "run" / "cluster.json"
+
+
+def cpu_kernels_enabled() -> bool:
+    """PDSERVE_CPU_KERNELS=0 keeps the engine on plain torch ops (the compiled CPU kernels are off)."""
+    return os.environ.get("PDSERVE_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
+
+
+def cpu_auto_dtype() -> str | None:
+    """PDSERVE_CPU_AUTO_DTYPE=float32|bfloat16 pins what dtype=auto means on CPU (unset: probe the
+    machine's matmul speed at start-up). The test suite pins float32, the oracle's dtype."""
+    value = os.environ.get("PDSERVE_CPU_AUTO_DTYPE", "").strip().lower()
+    return value if value in ("float32", "bfloat16") else None

@@ -32,13 +32,16 @@ class RequestMetrics:
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
-    text: str
+    text: str  # everything so far (a str is shared, not copied)
+    # Every generated token (and its logprob) on the final output only: a streaming output leaves
+    # them empty and carries the step's new_* fields, so a step costs O(its new tokens), not O(all).
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
     new_text: str = ""  # what this step added, for streaming
     new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] | None = None  # the logprobs of new_token_ids (when asked for)
 
 
 @dataclass(slots=True)

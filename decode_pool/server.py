@@ -46,7 +46,7 @@ class DecodeState(str, enum.Enum):
 def to_delta(output: RequestOutput, replica_id: str) -> StreamDelta:
     completion = output.outputs[0]
     new_ids = list(completion.new_token_ids)
-    logprobs = completion.logprobs[len(completion.logprobs) - len(new_ids) :] if completion.logprobs else None
+    logprobs = completion.new_logprobs or None
     return StreamDelta(
         request_id=output.request_id,
         new_token_ids=new_ids,

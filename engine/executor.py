@@ -9,6 +9,7 @@ same forward pass and the logits meet on the driver.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from common.config import EngineConfig
 from common.errors import ConfigError
 from engine.distributed.parallel import TensorParallel, pick_device
+from engine.dtype_probe import resolve_auto_dtype
 from engine.model_runner import ModelRunner, check_model
 from engine.step_input import StepInput
 
@@ -61,10 +63,13 @@ class _ProcessHandle(WorkerHandle):
 
 
 class ProcessLauncher(WorkerLauncher):
+    """Shard processes on this host; each is pinned to its own slice of this process's cores."""
+
     def launch(self, rank, world_size, init_method, config, model_dir) -> WorkerHandle:
+        cores = shard_cores(rank, world_size, _available_cores())
         process = mp.get_context("spawn").Process(
             target=run_worker,
-            args=(rank, world_size, init_method, config, model_dir),
+            args=(rank, world_size, init_method, config, model_dir, cores),
             name=f"pdserve-shard-{rank}",
             daemon=True,
         )
@@ -72,14 +77,39 @@ class ProcessLauncher(WorkerLauncher):
         return _ProcessHandle(process)
 
 
+def shard_cores(rank: int, world_size: int, cores: list[int]) -> list[int]:
+    """The slice of ``cores`` shard ``rank`` owns: disjoint slices while there are enough cores,
+    so the shards of one instance never run their matmuls on each other's cores; with fewer cores
+    than shards, shards share them round-robin."""
+    if len(cores) < world_size:
+        return [cores[rank % len(cores)]] if cores else []
+    return cores[rank * len(cores) // world_size : (rank + 1) * len(cores) // world_size]
+
+
+def _available_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def _threads_per_shard(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+    return max(1, len(_available_cores()) // world_size)
 
 
-def run_worker(rank: int, world_size: int, init_method: str, config: dict, model_dir: str) -> None:
+def _pin_to(cores: list[int]) -> None:
+    """Before any torch work in a fresh shard process: its OpenMP threads inherit this affinity."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(max(1, len(cores)))
+
+
+def run_worker(
+    rank: int, world_size: int, init_method: str, config: dict, model_dir: str, cores: list[int] | None = None
+) -> None:
     """Entry point of shard ``rank`` > 0: build the runner, then execute the driver's steps until told to stop."""
     engine_config = EngineConfig.from_dict(config)
-    torch.set_num_threads(_threads_per_shard(world_size))
+    if cores:
+        _pin_to(cores)
+    else:
+        torch.set_num_threads(_threads_per_shard(world_size))
     device = pick_device(engine_config.model.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -134,8 +164,11 @@ def _wait_for_shards(store: dist.TCPStore, workers: list[WorkerHandle], timeout_
 class Executor:
     def __init__(self, config: EngineConfig, model_dir: Path, launcher: WorkerLauncher | None = None) -> None:
         check_model(config, model_dir)
-        self.world_size = config.parallel.tensor_parallel_size
         device = pick_device(config.model.device)
+        if config.model.dtype == "auto":  # resolved once here: every shard must run the same dtype
+            model = dataclasses.replace(config.model, dtype=resolve_auto_dtype(device))
+            config = dataclasses.replace(config, model=model)
+        self.world_size = config.parallel.tensor_parallel_size
         self.workers: list[WorkerHandle] = []
         self._broken = False  # a step failed midway: shards may be stuck in a collective
         if self.world_size == 1:

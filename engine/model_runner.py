@@ -14,6 +14,7 @@ from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
 from engine.attention import StepTensors, get_backend
 from engine.distributed.parallel import TensorParallel
+from engine.dtype_probe import resolve_auto_dtype
 from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from engine.kv_connector import KVConnector, load_connector, model_fingerprint
 from engine.models import check_tp_degree, resolve_architecture
@@ -28,7 +29,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        requested = resolve_auto_dtype(device)
     if requested == "float16" and device.type == "cpu":
         raise ConfigError("dtype=float16 is not supported on CPU; use float32 or bfloat16")
     return _DTYPES[requested]

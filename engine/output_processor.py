@@ -99,15 +99,21 @@ class OutputProcessor:
             del self.states[request_id]
             state.metrics.finished_time = time.monotonic()
             state.metrics.num_preemptions = request.num_preemptions
+        logprobs = state.logprobs
+        new_logprobs = None
+        if logprobs is not None:
+            # Recorded before the tokens are emitted, so the last len(new_ids) belong to new_ids.
+            new_logprobs = logprobs[len(logprobs) - len(new_ids) :] if new_ids else []
         completion = CompletionOutput(
             index=0,
             text=state.text,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids) if finished else [],
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=(list(logprobs) if finished else []) if logprobs is not None else None,
             new_text=new_text,
             new_token_ids=list(new_ids),
+            new_logprobs=new_logprobs,
         )
         return RequestOutput(
             request_id=request.request_id,

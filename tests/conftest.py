@@ -10,6 +10,8 @@ import pytest
 
 # Keep each process to the cores it has; TP tests run several shards on this 2-core machine.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dtype=auto may pick bfloat16 on a CPU with AMX; the oracle tests compare in float32 everywhere.
+os.environ.setdefault("PDSERVE_CPU_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,13 @@
-"""Paged attention in plain torch: runs on CPU (what CI tests) and, slowly but correctly, on CUDA.
+"""Paged attention in torch: runs on CPU (what CI tests) and, slowly but correctly, on CUDA.
 
-Decodes are batched: every decode sequence's blocks are gathered into one padded
-[batch, max_context, heads, head_dim] tensor and masked past each sequence's length. Prefill
-chunks go one by one; a chunk starting at position 0 attends to its own keys (causal, no cache
-read, the same call transformers makes), a later chunk reads its earlier context from the cache.
+Decodes are batched. On CPU they run in one call of the compiled kernel
+(``engine/cpu_kernels/paged_attention.c``), which reads each sequence's keys and values where they lie in the
+paged cache. Elsewhere (CUDA, or no C compiler) every decode sequence's blocks are gathered into
+one padded [batch, max_context, heads, head_dim] tensor and masked past each sequence's length.
+Prefill chunks go one by one through SDPA with a batch dimension (a 4-D call takes torch's
+flash kernel on CPU; a 3-D one fell back to the math path, 3-4x slower); a chunk starting at
+position 0 attends to its own keys (causal, no cache read, the same call transformers makes), a
+later chunk reads its earlier context from the cache.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
+from engine.cpu_kernels import CPUKernels, kernels_for
 
 
 @dataclass
@@ -33,6 +38,11 @@ class TorchAttentionMetadata(AttentionMetadata):
     # [num_decodes, 1, 1, max_blocks * block_size]: True past each sequence's end, and its inverse
     decode_padding: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    # With the CPU kernel: int64 [num_decodes] context lengths, and the kernel's fixed row layout.
+    decode_kernel: CPUKernels | None = None
+    decode_context_lens: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None  # arange(num_decodes): query start of each sequence
+    decode_row_lens: torch.Tensor | None = None  # ones: one query row each
     prefills: list[_Prefill] = field(default_factory=list)
 
 
@@ -48,10 +58,25 @@ class TorchPagedAttention(AttentionBackend):
             max_blocks = -(-max(seq_lens) // block_size)
             tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+            kernel = kernels_for(device)
+            if kernel is not None:
+                meta.decode_kernel = kernel
+                meta.decode_context_lens = torch.tensor(seq_lens, dtype=torch.long)
+                meta.decode_rows = torch.arange(nd, dtype=torch.long)
+                meta.decode_row_lens = torch.ones(nd, dtype=torch.long)
+                meta.prefills = self._prefills(step, block_size, device)
+                return meta
             lens = torch.tensor(seq_lens, device=device)
             span = torch.arange(max_blocks * block_size, device=device)
             meta.decode_padding = (span[None, :] >= lens[:, None])[:, None, None, :]
             meta.decode_mask = ~meta.decode_padding
+        meta.prefills = self._prefills(step, block_size, device)
+        return meta
+
+    @staticmethod
+    def _prefills(step: StepTensors, block_size: int, device: torch.device) -> list[_Prefill]:
+        nd = step.num_decodes
+        prefills = []
         start = nd
         prefill_seqs = zip(step.query_lens[nd:], step.seq_lens[nd:], step.block_tables[nd:], strict=True)
         for q_len, seq_len, table in prefill_seqs:
@@ -61,9 +86,9 @@ class TorchPagedAttention(AttentionBackend):
                 prefill.block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-            meta.prefills.append(prefill)
+            prefills.append(prefill)
             start += q_len
-        return meta
+        return prefills
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         assert isinstance(metadata, TorchAttentionMetadata)
@@ -76,17 +101,33 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
 
         nd = metadata.num_decodes
-        if nd:
+        kernel = metadata.decode_kernel
+        if nd and kernel is not None:  # CPU: float32 or bfloat16 (float16 is refused on CPU)
+            assert metadata.decode_block_tables is not None and metadata.decode_context_lens is not None
+            assert metadata.decode_rows is not None and metadata.decode_row_lens is not None
+            kernel.paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                out,
+                metadata.decode_block_tables,
+                metadata.decode_rows,
+                metadata.decode_row_lens,
+                metadata.decode_context_lens,
+                scale,
+            )
+        elif nd:
             out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
 
         for p in metadata.prefills:
             s, n = p.token_start, p.num_tokens
-            query = q[s : s + n].transpose(0, 1)
+            # [1, heads, tokens, head_dim]: with a batch dimension CPU SDPA takes its flash kernel.
+            query = q[s : s + n].transpose(0, 1).unsqueeze(0)
             if p.block_table is None:
                 o = F.scaled_dot_product_attention(
                     query,
-                    k[s : s + n].transpose(0, 1),
-                    v[s : s + n].transpose(0, 1),
+                    k[s : s + n].transpose(0, 1).unsqueeze(0),
+                    v[s : s + n].transpose(0, 1).unsqueeze(0),
                     is_causal=n > 1,
                     scale=scale,
                     enable_gqa=True,
@@ -96,13 +137,13 @@ class TorchPagedAttention(AttentionBackend):
                 values = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
                 o = F.scaled_dot_product_attention(
                     query,
-                    keys.transpose(0, 1),
-                    values.transpose(0, 1),
+                    keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0),
                     attn_mask=p.mask,
                     scale=scale,
                     enable_gqa=True,
                 )
-            out[s : s + n] = o.transpose(0, 1)
+            out[s : s + n] = o[0].transpose(0, 1)
         return out
 
     @staticmethod

@@ -2,17 +2,19 @@
 scaling variants Llama-family configs use: default, linear, llama3, dynamic is refused.
 
 cos/sin are computed once for every position in float32, exactly as transformers computes them,
-then cast to the model dtype; a step gathers rows by position.
+then cast to the model dtype; a step gathers rows by position (or the CPU kernel reads them in place).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from common.errors import UnsupportedModelError
+from engine.cpu_kernels import CPUKernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -50,8 +52,28 @@ def inv_frequencies(params: dict, rotary_dim: int) -> torch.Tensor:
     )
 
 
+@dataclass
+class RotaryInputs:
+    """One step's positions and the embedding's tables, shared by every layer. The torch path
+    gathers cos/sin rows once per step; the CPU kernel reads the tables by position in place."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    kernels: CPUKernels | None
+    _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, 1, head_dim] each."""
+        if self._gathered is None:
+            self._gathered = (self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1))
+        return self._gathered
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype, kernels: CPUKernels | None = None
+    ) -> None:
         super().__init__()
         inv_freq = inv_frequencies(params, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -59,15 +81,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.kernels = kernels
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered once per step and shared by every layer: [tokens, 1, head_dim] each."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def for_positions(self, positions: torch.Tensor) -> RotaryInputs:
+        return RotaryInputs(positions, self.cos, self.sin, self.kernels)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-    cos, sin = cos_sin
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs):
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The CPU kernel rotates them
+    in place (they are views into this layer's fresh qkv output) and returns the same tensors."""
+    if rope.kernels is not None:
+        rope.kernels.rotary(q, k, rope.cos_table, rope.sin_table, rope.positions)
+        return q, k
+    cos, sin = rope.cos_sin()
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.cpu_kernels import CPUKernels, kernels_for
 from engine.distributed.parallel import TensorParallel
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from engine.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, rope_parameters
 from engine.weights import TensorSource
 
 
@@ -74,60 +75,71 @@ class LlamaAttention(nn.Module):
         self.scale = shape.head_dim**-0.5
         self.backend = backend
 
-    def forward(self, hidden, kv_cache, meta: AttentionMetadata, cos_sin):
+    def forward(self, hidden, kv_cache, meta: AttentionMetadata, rope: RotaryInputs):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        q, k = apply_rotary(q, k, rope)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.view(-1, q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: LlamaShape, tp: TensorParallel, dtype: torch.dtype):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, dtype: torch.dtype, kernels: CPUKernels | None):
         super().__init__()
         size = shape.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, [size, size], shape.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(size, shape.hidden_size, shape.mlp_bias, tp, dtype)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype: torch.dtype):
+    """``forward(residual, delta)``: the residual stream and the previous layer's MLP output not yet
+    added to it; returns the same pair. Each add happens inside the RMSNorm that follows it (one
+    pass over memory on CPU), and the last one in the model's final norm."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype, kernels):
         super().__init__()
         self.self_attn = LlamaAttention(shape, tp, backend, dtype)
-        self.mlp = LlamaMLP(shape, tp, dtype)
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(shape, tp, dtype, kernels)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, kernels)
 
-    def forward(self, hidden, kv_cache, meta, cos_sin):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, meta, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, residual, delta, kv_cache, meta, rope: RotaryInputs):
+        attn_out = self.self_attn(self.input_layernorm(residual, delta), kv_cache, meta, rope)
+        return residual, self.mlp(self.post_attention_layernorm(residual, attn_out))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, shape, tp, backend, dtype, max_positions: int):
+    def __init__(self, shape, tp, backend, dtype, max_positions: int, kernels: CPUKernels | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, tp, backend, dtype) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(shape.head_dim, max_positions, shape.rope, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, tp, backend, dtype, kernels) for _ in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, kernels)
+        self.rotary_emb = RotaryEmbedding(shape.head_dim, max_positions, shape.rope, dtype, kernels)
         self.layer_hook = None  # called as hook(i, kv_caches[i]) after layer i, e.g. to push its KV out
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions)
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
+        delta = None
+        rope = self.rotary_emb.for_positions(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = layer(hidden, kv_cache, meta, cos_sin)
+            residual, delta = layer(residual, delta, kv_cache, meta, rope)
             if self.layer_hook is not None:
                 self.layer_hook(i, kv_cache)
-        return self.norm(hidden)
+        return self.norm(residual, delta)
 
 
 _STACKED = {  # checkpoint name part -> (fused module name part, shard id)
@@ -149,7 +161,10 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.shape = shape
-        self.model = LlamaModel(shape, tp, backend, dtype, max_positions)
+        kernels = kernels_for(tp.device)
+        if kernels is not None and not kernels.supports(dtype):
+            kernels = None
+        self.model = LlamaModel(shape, tp, backend, dtype, max_positions, kernels)
         self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, tp, dtype)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,82 @@
+"""What ``dtype="auto"`` means on this machine: bfloat16 on CUDA; on CPU, whichever dtype
+multiplies the model's kind of matrices faster here, measured once per process.
+
+CPUs differ by an order of magnitude: with AMX, bf16 ``F.linear`` at 256 rows ran at 470
+GFLOP/s against float32's 200; without AMX or AVX512-BF16, bf16 is emulated and ran at 30
+against float32's 240 (both measured on 2-core Xeons). A margin keeps a noisy probe from
+flipping between the two where they are close; every shard and every replica of one cluster
+must agree, so the driver resolves "auto" once and hands the explicit name to the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common import env
+
+logger = logging.getLogger(__name__)
+
+BFLOAT16_MARGIN = 1.3  # bf16 must beat float32 by this factor to be chosen
+_PROBE_SHAPE = (256, 576, 1536)  # rows, in, out: a prefill chunk through a small model's MLP
+
+
+@dataclass(frozen=True)
+class DtypeProbe:
+    float32_gflops: float
+    bfloat16_gflops: float
+
+    @property
+    def choice(self) -> str:
+        return "bfloat16" if self.bfloat16_gflops >= BFLOAT16_MARGIN * self.float32_gflops else "float32"
+
+
+def _gflops(dtype: torch.dtype, budget_s: float) -> float:
+    rows, inner, outer = _PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inner, generator=generator).to(dtype)
+    w = torch.randn(outer, inner, generator=generator).to(dtype)
+    with torch.inference_mode():
+        F.linear(x, w)  # first call pays the library's set-up
+        best, spent = float("inf"), 0.0
+        while spent < budget_s:
+            start = time.perf_counter()
+            F.linear(x, w)
+            elapsed = time.perf_counter() - start
+            best, spent = min(best, elapsed), spent + elapsed
+    return 2 * rows * inner * outer / best / 1e9
+
+
+@functools.cache
+def probe_cpu_matmul(budget_s: float = 0.05) -> DtypeProbe:
+    return DtypeProbe(_gflops(torch.float32, budget_s), _gflops(torch.bfloat16, budget_s))
+
+
+def resolve_auto_dtype(device: torch.device) -> str:
+    """The dtype name "auto" stands for on ``device``; logged once per process on CPU."""
+    if device.type == "cuda":
+        return "bfloat16"
+    pinned = env.cpu_auto_dtype()
+    if pinned is not None:
+        return pinned
+    probe = probe_cpu_matmul()
+    _log_choice(probe)
+    return probe.choice
+
+
+@functools.cache
+def _log_choice(probe: DtypeProbe) -> None:
+    logger.info(
+        "dtype=auto on this CPU: %s (F.linear %dx%dx%d: float32 %.0f GFLOP/s, bfloat16 %.0f GFLOP/s; "
+        "bfloat16 needs %.1fx)",
+        probe.choice,
+        *_PROBE_SHAPE,
+        probe.float32_gflops,
+        probe.bfloat16_gflops,
+        BFLOAT16_MARGIN,
+    )

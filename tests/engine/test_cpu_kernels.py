@@ -1,0 +1,150 @@
+"""The compiled CPU kernels against the torch expressions they replace, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_kernels import cpu_kernels
+from engine.layers.rotary import _rotate_half
+
+KERNELS = cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the engine runs plain torch ops")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def paged_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def reference_attention(query, key_cache, value_cache, table, context_len, scale):
+    """query [rows, heads, dim] at the last ``rows`` of ``context_len`` positions, causal."""
+    rows, _, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    keys = key_cache[table].reshape(-1, kv_heads, dim)[:context_len].float()
+    values = value_cache[table].reshape(-1, kv_heads, dim)[:context_len].float()
+    positions = torch.arange(context_len - rows, context_len)
+    mask = torch.arange(context_len)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16)]
+)
+def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_heads, head_dim, block_size):
+    # Sequences of 1 (decode) to many query rows, contexts crossing block edges, blocks out of order.
+    shapes = [(1, 1), (1, block_size), (1, block_size + 1), (5, 37), (block_size, 3 * block_size), (1, 300)]
+    num_blocks = sum(-(-ctx // block_size) for _, ctx in shapes) + 3
+    key_cache, value_cache = paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype, seed=heads)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    max_blocks = max(-(-ctx // block_size) for _, ctx in shapes)
+    tables = torch.zeros(len(shapes), max_blocks, dtype=torch.int64)
+    starts, tokens = [], 0
+    for s, (rows, ctx) in enumerate(shapes):
+        n = -(-ctx // block_size)
+        tables[s, :n] = torch.tensor([order.pop() for _ in range(n)])
+        starts.append(tokens)
+        tokens += rows
+    query = torch.randn(tokens, heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    KERNELS.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        out,
+        tables,
+        torch.tensor(starts),
+        torch.tensor([r for r, _ in shapes]),
+        torch.tensor([c for _, c in shapes]),
+        scale,
+    )
+    for s, (rows, ctx) in enumerate(shapes):
+        n = -(-ctx // block_size)
+        ref = reference_attention(
+            query[starts[s] : starts[s] + rows], key_cache, value_cache, tables[s, :n], ctx, scale
+        )
+        got = out[starts[s] : starts[s] + rows].float()
+        assert (got - ref).abs().max().item() < TOLERANCE[dtype], f"sequence {s} ({rows} rows, context {ctx})"
+
+
+def test_paged_attention_reads_strided_query_rows():
+    """Query heads may be a view into the fused qkv projection's output (rows strided)."""
+    key_cache, value_cache = paged_cache(8, 16, 2, 32, torch.float32, seed=3)
+    qkv = torch.randn(3, (4 + 2 * 2) * 32)
+    query = qkv[:, : 4 * 32].view(3, 4, 32)
+    assert not query.is_contiguous()
+    tables = torch.tensor([[5, 1], [2, 7], [0, 3]])
+    lens = torch.tensor([20, 32, 1])
+    args = (key_cache, value_cache)
+    strided, packed = torch.empty(3, 4, 32), torch.empty(3, 4, 32)
+    one = torch.ones(3, dtype=torch.int64)
+    KERNELS.paged_attention(query, *args, strided, tables, torch.arange(3), one, lens, 0.2)
+    KERNELS.paged_attention(query.contiguous(), *args, packed, tables, torch.arange(3), one, lens, 0.2)
+    assert torch.equal(strided, packed)
+
+
+def torch_rms_norm(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_and_without_the_residual_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype)
+    plain = KERNELS.rms_norm(x.clone(), weight, 1e-5)
+    torch.testing.assert_close(plain, torch_rms_norm(x, weight, 1e-5), atol=TOLERANCE[dtype], rtol=0)
+    residual = x.clone()
+    fused = KERNELS.rms_norm(residual, weight, 1e-5, residual_delta=delta)
+    assert torch.equal(residual, x + delta)  # the add is the same op, to the bit
+    torch.testing.assert_close(fused, torch_rms_norm(x + delta, weight, 1e-5), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = KERNELS.silu_and_mul(gate_up)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_is_bit_identical_to_the_torch_formula(dtype):
+    tokens, heads, kv_heads, dim = 11, 9, 3, 64
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    cos = torch.randn(100, dim, generator=g).to(dtype)
+    sin = torch.randn(100, dim, generator=g).to(dtype)
+    positions = torch.randint(0, 100, (tokens,), generator=g)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected_q, expected_k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    KERNELS.rotary(q, k, cos, sin, positions)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    assert cpu_kernels.__wrapped__() is None
