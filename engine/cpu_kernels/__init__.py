@@ -38,7 +38,7 @@ _HERE = Path(__file__).parent
 _SOURCES = ("paged_attention.c", "fused.c")
 _HEADERS = ("common.h",)
 # No -ffast-math: in a shared object it can switch the whole process to flush denormals to zero.
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
+_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120.0
 
 
@@ -54,15 +54,17 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def build(compiler: str) -> Path:
-    """The cached shared object for these sources on this machine, built if missing."""
+def build(compiler: str, march: str = "native") -> Path:
+    """The cached shared object for these sources on this machine, built if missing. ``march``
+    other than native builds the portable code paths (the tests check them against the native)."""
+    flags = (*_FLAGS, f"-march={march}")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
     for name in (*_SOURCES, *_HEADERS):
         key.update((_HERE / name).read_bytes())
-    for part in (version, " ".join(_FLAGS), _cpu_flags()):
+    for part in (version, " ".join(flags), _cpu_flags()):
         key.update(part.encode())
-    target = env.cache_dir() / "kernels" / f"pdserve_cpu-{key.hexdigest()[:16]}.so"
+    target = env.cache_dir() / "kernels" / f"pdserve_cpu-{march}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +73,7 @@ def build(compiler: str) -> Path:
     os.close(fd)
     try:
         sources = [str(_HERE / name) for name in _SOURCES]
-        command = [compiler, *_FLAGS, "-o", tmp, *sources, "-lm"]
+        command = [compiler, *flags, "-o", tmp, *sources, "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         os.replace(tmp, target)
     finally:
@@ -239,6 +241,10 @@ def cpu_kernels() -> CPUKernels | None:
         return None
     logger.info("CPU kernels: %s", path)
     return kernels
+
+
+def load(path: Path) -> CPUKernels:
+    return CPUKernels(ctypes.CDLL(str(path)))
 
 
 def kernels_for(device: torch.device) -> CPUKernels | None:

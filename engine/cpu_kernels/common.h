@@ -25,7 +25,9 @@ static inline uint16_t bf16_round(float f) {
 /* exp(x) for x <= 0 to ~2 ulp, branch-free so the loop calling it vectorizes (libm's expf does
  * not without -ffast-math, and -ffast-math in a shared object can flip the process's denormal mode). */
 static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
+    /* Clamped where the result is a denormal or zero anyway; written as arithmetic because gcc
+     * vectorizes neither fmaxf nor a ternary on x here ("control flow in loop"). */
+    x = (float)(x < -87.0f) * -87.0f + (float)(x >= -87.0f) * x;
     const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
     float n = (float)(int)(x * log2e - 0.5f); /* floor of x*log2e rounded to nearest, for x <= 0 */
     float r = x - n * ln2_hi - n * ln2_lo;

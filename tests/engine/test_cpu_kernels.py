@@ -6,11 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels as kernels_module
 from engine.cpu_kernels import cpu_kernels
 from engine.layers.rotary import _rotate_half
 
 KERNELS = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the engine runs plain torch ops")
+
+
+@pytest.fixture(scope="module")
+def portable():
+    """The same sources built for a baseline x86-64 (no AVX): the code paths a CPU without AVX-512 runs."""
+    compiler = kernels_module._compiler()
+    assert compiler is not None
+    return kernels_module.load(kernels_module.build(compiler, march="x86-64-v2"))
+
+
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
@@ -148,3 +159,30 @@ def test_rotary_in_place_is_bit_identical_to_the_torch_formula(dtype):
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
     assert cpu_kernels.__wrapped__() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_build_agrees_with_the_native_one(portable, dtype):
+    g = torch.Generator().manual_seed(9)
+    key_cache, value_cache = paged_cache(40, 16, 3, 64, dtype, seed=9)
+    tables = torch.randperm(40, generator=g)[:36].view(4, 9).contiguous()
+    query = torch.randn(7, 9, 64, generator=g).to(dtype)
+    starts, lens, ctx = torch.tensor([0, 1, 2, 3]), torch.tensor([1, 1, 1, 4]), torch.tensor([1, 17, 140, 100])
+    outs = []
+    for kernels in (KERNELS, portable):
+        out = torch.empty_like(query)
+        kernels.paged_attention(query, key_cache, value_cache, out, tables, starts, lens, ctx, 0.125)
+        outs.append(out.float())
+    assert (outs[0] - outs[1]).abs().max().item() < TOLERANCE[dtype]
+    x = torch.randn(5, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype)
+    torch.testing.assert_close(
+        KERNELS.rms_norm(x.clone(), weight, 1e-5),
+        portable.rms_norm(x.clone(), weight, 1e-5),
+        atol=TOLERANCE[dtype],
+        rtol=0,
+    )
+    gate_up = torch.randn(5, 256, generator=g).to(dtype)
+    torch.testing.assert_close(
+        KERNELS.silu_and_mul(gate_up), portable.silu_and_mul(gate_up), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )

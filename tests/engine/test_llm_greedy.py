@@ -114,3 +114,17 @@ def test_tiny_llama_any_tp(tp, tiny_dir, hf_tiny, hf_reference):
         outputs = llm.generate(prompts, params)
         assert llm.engine.num_blocks_held() == 0
     assert_matches_oracle(outputs, prompts, hf_tiny, hf_reference, 16)
+
+
+def test_plain_torch_path_matches_the_oracle_too(smol_dir, mixed_prompts, hf_smol, hf_reference, monkeypatch):
+    """The CPU kernels off (what CUDA and a machine without a C compiler run): same tokens."""
+    import engine.attention.torch_paged as torch_paged
+    import engine.models.llama as llama
+
+    monkeypatch.setattr(llama, "kernels_for", lambda device: None)
+    monkeypatch.setattr(torch_paged, "kernels_for", lambda device: None)
+    prompts = mixed_prompts[::3]
+    with LLM(str(smol_dir), kv_cache_memory=128 * 2**20) as plain:
+        assert plain.engine.executor.driver.model.model.norm.kernels is None
+        outputs = plain.generate(prompts, GREEDY)
+    assert_matches_oracle(outputs, prompts, hf_smol, hf_reference, 12)
