@@ -57,12 +57,21 @@ def start_ray(config: ClusterConfig) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=APP_NAME, log_to_driver=True)
 
 
+def with_resolved_dtype(config: ClusterConfig) -> ClusterConfig:
+    """``dtype: auto`` decided once, here, for a local cluster on CPU: the pools exchange KV, so all
+    replicas must run one dtype, and a probe per replica could disagree near the margin. The
+    result is what ``serve`` records, so ``scale`` rebuilds with the same dtype instead of probing
+    again. A remote cluster (``ray_address``) or a CUDA device keeps "auto": CUDA resolves it
+    without a probe, and this machine's CPU says nothing about a remote one."""
+    if config.dtype != "auto" or config.ray_address or pick_device(config.device).type != "cpu":
+        return config
+    return dataclasses.replace(config, dtype=resolve_auto_dtype(pick_device(config.device)))
+
+
 def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     spec = config.pool(pool)
     base = config.engine_config(pool)
-    # "auto" is resolved here, once: the pools exchange KV, so every replica must run one dtype.
-    dtype = resolve_auto_dtype(pick_device(config.device)) if config.dtype == "auto" else config.dtype
-    engine_config = dataclasses.replace(base, model=dataclasses.replace(base.model, model=model_dir, dtype=dtype))
+    engine_config = dataclasses.replace(base, model=dataclasses.replace(base.model, model=model_dir))
     tp = spec.tensor_parallel_size
     role = "prefill" if pool == "prefill" else "decode"
     options = {
@@ -145,6 +154,7 @@ def build_app(config: ClusterConfig):
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
     """Start Ray (if needed) and Serve on host:port, deploy the app; returns the start-up seconds."""
     started = time.monotonic()
+    config = with_resolved_dtype(config)
     start_ray(config)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)

@@ -76,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster import app
 
-    config = config_from_args(args)
+    config = app.with_resolved_dtype(config_from_args(args))
 
     def _terminate(signum, frame):  # SIGTERM takes the same clean path as Ctrl-C
         raise KeyboardInterrupt

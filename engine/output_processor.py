@@ -103,7 +103,7 @@ class OutputProcessor:
         new_logprobs = None
         if logprobs is not None:
             # Recorded before the tokens are emitted, so the last len(new_ids) belong to new_ids.
-            new_logprobs = logprobs[len(logprobs) - len(new_ids) :] if new_ids else []
+            new_logprobs = logprobs[max(0, len(logprobs) - len(new_ids)) :] if new_ids else []
         completion = CompletionOutput(
             index=0,
             text=state.text,

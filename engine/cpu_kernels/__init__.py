@@ -136,6 +136,10 @@ class CPUKernels:
         + query_len[s] sit at the last query_len[s] of its context_len[s] positions (causal)."""
         _, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
+        # The C code trusts these: a mistake would read out of bounds rather than raise.
+        assert key_cache.dtype == value_cache.dtype == query.dtype == out.dtype, "caches, query and out differ in dtype"
+        assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
+        assert num_heads % num_kv_heads == 0 and block_size & (block_size - 1) == 0
         for t in (query, out):
             assert t.stride(2) == 1 and t.stride(1) == head_dim, "query/out rows must pack heads and head_dim"
         for t in (key_cache, value_cache, block_tables, query_start, query_len, context_len):
@@ -170,9 +174,11 @@ class CPUKernels:
         in place (x then holds the residual stream the next layer adds to)."""
         _row_major(x, "x")
         rows, hidden = x.shape
+        assert weight.is_contiguous() and weight.shape == (hidden,) and weight.dtype == x.dtype
         out = torch.empty((rows, hidden), dtype=x.dtype)
         if residual_delta is not None:
             _row_major(residual_delta, "residual_delta")
+            assert residual_delta.shape == x.shape and residual_delta.dtype == x.dtype
         self._fn("rms_norm", x.dtype)(
             x.data_ptr(),
             x.stride(0),
@@ -191,6 +197,7 @@ class CPUKernels:
         """silu(gate) * up for rows [gate | up]."""
         _row_major(gate_up, "gate_up")
         rows, width = gate_up.shape
+        assert width % 2 == 0, "gate_up rows are [gate | up]"
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
         self._fn("silu_and_mul", gate_up.dtype)(
             gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, width // 2
@@ -201,7 +208,8 @@ class CPUKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> None:
         """In place on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (views with
-        packed heads; rows may be strided); cos/sin the full [max_positions, head_dim] tables."""
+        packed heads; rows may be strided); cos/sin the full [max_positions, head_dim] tables.
+        Positions must lie inside the tables (``RotaryEmbedding.for_positions`` checks once a step)."""
         tokens, num_q_heads, head_dim = q.shape
         for t in (q, k):
             assert t.stride(2) == 1 and t.stride(1) == head_dim, "rotary needs packed heads"

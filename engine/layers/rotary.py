@@ -84,6 +84,9 @@ class RotaryEmbedding(nn.Module):
         self.kernels = kernels
 
     def for_positions(self, positions: torch.Tensor) -> RotaryInputs:
+        if self.kernels is not None and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            # The kernel reads the tables by position unchecked; indexing them in torch would raise.
+            raise IndexError(f"position {int(positions.max())} is past the rotary tables ({self.cos.shape[0]})")
         return RotaryInputs(positions, self.cos, self.sin, self.kernels)
 
 

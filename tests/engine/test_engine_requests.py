@@ -305,3 +305,21 @@ def test_a_shard_dying_at_start_up_is_reported_at_once(tiny_dir):
     with pytest.raises(RuntimeError, match=r"shard\(s\) \[1\] exited during start-up"):
         LLMEngine(config, launcher=DyingLauncher())
     assert time.monotonic() - start < 30  # not the 300 s rendezvous timeout
+
+
+def test_streaming_outputs_carry_only_the_step_s_tokens(engine):
+    """A step costs O(its new tokens): unfinished outputs leave the cumulative lists empty; the
+    deltas concatenated are exactly what the final output holds."""
+    engine.add_request("stream", PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        steps += [o for o in engine.step() if o.request_id == "stream"]
+    *streaming, final = steps
+    assert streaming and all(not o.finished for o in streaming) and final.finished
+    assert all(o.outputs[0].token_ids == [] and o.outputs[0].logprobs == [] for o in streaming)
+    deltas = [o.outputs[0] for o in steps]
+    assert [t for d in deltas for t in d.new_token_ids] == final.outputs[0].token_ids
+    assert len(final.outputs[0].token_ids) == 6
+    assert [lp for d in deltas for lp in d.new_logprobs] == final.outputs[0].logprobs
+    assert [lp.token_id for lp in final.outputs[0].logprobs] == final.outputs[0].token_ids
+    assert "".join(d.new_text for d in deltas) == final.outputs[0].text
