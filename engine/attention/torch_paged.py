@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
-from engine.cpu_kernels import CPUKernels, kernels_for
+from engine.cpu_kernels import CPUKernels, DecodeAttention, kernels_for
 
 
 @dataclass
@@ -38,11 +38,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     # [num_decodes, 1, 1, max_blocks * block_size]: True past each sequence's end, and its inverse
     decode_padding: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-    # With the CPU kernel: int64 [num_decodes] context lengths, and the kernel's fixed row layout.
-    decode_kernel: CPUKernels | None = None
-    decode_context_lens: torch.Tensor | None = None
-    decode_rows: torch.Tensor | None = None  # arange(num_decodes): query start of each sequence
-    decode_row_lens: torch.Tensor | None = None  # ones: one query row each
+    # CPU: the compiled kernels, and the decodes' attention bound to this step's tables once.
+    kernels: CPUKernels | None = None
+    decode_attention: DecodeAttention | None = None
     prefills: list[_Prefill] = field(default_factory=list)
 
 
@@ -52,18 +50,16 @@ class TorchPagedAttention(AttentionBackend):
     def build_metadata(self, step: StepTensors, block_size: int) -> TorchAttentionMetadata:
         device = step.input_ids.device
         meta = TorchAttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=step.num_decodes)
+        meta.kernels = kernels_for(device)
         nd = step.num_decodes
         if nd:
             seq_lens = step.seq_lens[:nd]
             max_blocks = -(-max(seq_lens) // block_size)
             tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            kernel = kernels_for(device)
-            if kernel is not None:
-                meta.decode_kernel = kernel
-                meta.decode_context_lens = torch.tensor(seq_lens, dtype=torch.long)
-                meta.decode_rows = torch.arange(nd, dtype=torch.long)
-                meta.decode_row_lens = torch.ones(nd, dtype=torch.long)
+            if meta.kernels is not None:
+                context_lens = torch.tensor(seq_lens, dtype=torch.long)
+                meta.decode_attention = meta.kernels.decode_plan(meta.decode_block_tables, context_lens)
                 meta.prefills = self._prefills(step, block_size, device)
                 return meta
             lens = torch.tensor(seq_lens, device=device)
@@ -94,28 +90,16 @@ class TorchPagedAttention(AttentionBackend):
         assert isinstance(metadata, TorchAttentionMetadata)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_keys.index_copy_(0, metadata.slot_mapping, k)
-        flat_values.index_copy_(0, metadata.slot_mapping, v)
+        if metadata.kernels is not None:  # CPU: float32 or bfloat16 (float16 is refused on CPU)
+            metadata.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = torch.empty_like(q)
 
         nd = metadata.num_decodes
-        kernel = metadata.decode_kernel
-        if nd and kernel is not None:  # CPU: float32 or bfloat16 (float16 is refused on CPU)
-            assert metadata.decode_block_tables is not None and metadata.decode_context_lens is not None
-            assert metadata.decode_rows is not None and metadata.decode_row_lens is not None
-            kernel.paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                out,
-                metadata.decode_block_tables,
-                metadata.decode_rows,
-                metadata.decode_row_lens,
-                metadata.decode_context_lens,
-                scale,
-            )
+        if nd and metadata.decode_attention is not None:
+            metadata.decode_attention(q, key_cache, value_cache, out, scale)
         elif nd:
             out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
 

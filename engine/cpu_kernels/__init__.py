@@ -91,6 +91,7 @@ _SIGNATURES = {
     "rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I32, _F32]),
     "silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _I32]),
     "rotary": (None, [_P, _I64, _I32, _P, _I64, _I32, _P, _P, _P, _I64, _I32]),
+    "write_kv": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64]),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -117,6 +118,35 @@ class CPUKernels:
             return self._fns[(op, dtype)]
         except KeyError:
             raise TypeError(f"the CPU kernel {op} takes float32 or bfloat16, not {dtype}") from None
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """k/v [tokens, kv_heads, head_dim] (packed heads, rows may be strided) into their slots of
+        the caches [blocks, block_size, kv_heads, head_dim]; slots int64, each < blocks x block_size."""
+        tokens, kv_heads, head_dim = k.shape
+        assert v.shape == k.shape and k.dtype == v.dtype == key_cache.dtype == value_cache.dtype
+        for t in (k, v):
+            assert t.stride(2) == 1 and t.stride(1) == head_dim, "k/v rows must pack heads and head_dim"
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape == value_cache.shape
+        assert key_cache.shape[2:] == (kv_heads, head_dim) and slots.dtype == torch.int64 and slots.is_contiguous()
+        assert slots.shape == (tokens,)
+        self._fn("write_kv", k.dtype)(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.data_ptr(),
+            tokens,
+            kv_heads * head_dim,
+        )
+
+    def decode_plan(self, block_tables: torch.Tensor, context_len: torch.Tensor) -> DecodeAttention:
+        """Paged attention for one query row per sequence, its per-step arguments checked and bound
+        once (every layer of the step reuses them)."""
+        return DecodeAttention(self, block_tables, context_len)
 
     def paged_attention(
         self,
@@ -249,6 +279,56 @@ def cpu_kernels() -> CPUKernels | None:
         return None
     logger.info("CPU kernels: %s", path)
     return kernels
+
+
+class DecodeAttention:
+    """``CPUKernels.paged_attention`` with one query row per sequence, bound to one step's block
+    tables and context lengths: a layer's call passes four pointers and the scale."""
+
+    def __init__(self, kernels: CPUKernels, block_tables: torch.Tensor, context_len: torch.Tensor) -> None:
+        assert block_tables.dtype == context_len.dtype == torch.int64
+        assert block_tables.is_contiguous() and context_len.is_contiguous()
+        num_seqs = len(context_len)
+        assert block_tables.shape[0] == num_seqs
+        self.kernels = kernels
+        self.num_seqs = num_seqs
+        # Kept alive here: the C code reads them through these pointers.
+        self._tensors = (block_tables, context_len, torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.int64))
+        tables, lens, starts, ones = self._tensors
+        self._static = (tables.data_ptr(), tables.stride(0), starts.data_ptr(), ones.data_ptr(), lens.data_ptr())
+
+    def __call__(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> None:
+        """query/out [>= num_seqs, heads, head_dim]: rows 0..num_seqs-1 are the decodes."""
+        _, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        assert key_cache.dtype == value_cache.dtype == query.dtype == out.dtype and key_cache.shape == value_cache.shape
+        assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == head_dim
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape[3] == head_dim
+        assert num_heads % num_kv_heads == 0 and block_size & (block_size - 1) == 0
+        tables, table_stride, starts, ones, lens = self._static
+        status = self.kernels._fn("paged_attention", query.dtype)(
+            query.data_ptr(),
+            query.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            tables,
+            table_stride,
+            starts,
+            ones,
+            lens,
+            self.num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+        )
+        if status != 0:
+            raise MemoryError("the CPU paged-attention kernel could not allocate its score buffer")
 
 
 def load(path: Path) -> CPUKernels:

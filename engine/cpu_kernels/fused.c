@@ -87,3 +87,20 @@ DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
 DEFINE_ROTARY(rotary_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_ROTARY(rotary_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
+
+/* The step's new keys and values into their cache slots (one row of kv_heads x head_dim per
+ * token): what two index_copy_ calls did, in one call. Rows of k and v may be strided (views
+ * into the fused qkv output). */
+#define DEFINE_WRITE_KV(NAME, T)                                                                         \
+void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T *key_cache, T *value_cache,     \
+          const int64_t *slots, int64_t tokens, int64_t row_elems) {                                    \
+    const int64_t rows = tokens;                                                                           \
+    PARALLEL_ROWS                                                                                          \
+    for (int64_t t = 0; t < rows; t++) {                                                                   \
+        memcpy(key_cache + slots[t] * row_elems, k + t * k_stride, sizeof(T) * (size_t)row_elems);       \
+        memcpy(value_cache + slots[t] * row_elems, v + t * v_stride, sizeof(T) * (size_t)row_elems);     \
+    }                                                                                                      \
+}
+
+DEFINE_WRITE_KV(write_kv_f32, float)
+DEFINE_WRITE_KV(write_kv_bf16, uint16_t)

@@ -186,3 +186,18 @@ def test_the_portable_build_agrees_with_the_native_one(portable, dtype):
     torch.testing.assert_close(
         KERNELS.silu_and_mul(gate_up), portable.silu_and_mul(gate_up), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(dtype):
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(6, (4 + 2 * 2) * 32, generator=g).to(dtype)
+    k = qkv[:, 4 * 32 : 6 * 32].view(6, 2, 32)
+    v = qkv[:, 6 * 32 :].view(6, 2, 32)
+    slots = torch.tensor([17, 3, 40, 41, 0, 63])
+    key_cache, value_cache = paged_cache(4, 16, 2, 32, dtype, seed=4)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    expected_k.view(-1, 2, 32).index_copy_(0, slots, k)
+    expected_v.view(-1, 2, 32).index_copy_(0, slots, v)
+    KERNELS.write_kv(k, v, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
