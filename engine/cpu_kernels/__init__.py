@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -164,17 +165,30 @@ class CPUKernels:
         caches [blocks, block_size, kv_heads, head_dim] contiguous; int64 block_tables [seqs,
         max_blocks] and per-sequence vectors. Sequence s's query rows query_start[s] ..
         + query_len[s] sit at the last query_len[s] of its context_len[s] positions (causal)."""
+        for t in (block_tables, query_start, query_len, context_len):
+            assert t.is_contiguous() and t.dtype == torch.int64
+        assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
+        sequences = SequencePointers.of(block_tables, query_start, query_len, context_len)
+        self._attend(query, key_cache, value_cache, out, sequences, scale)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        sequences: SequencePointers,
+        scale: float,
+    ) -> None:
         _, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         # The C code trusts these: a mistake would read out of bounds rather than raise.
         assert key_cache.dtype == value_cache.dtype == query.dtype == out.dtype, "caches, query and out differ in dtype"
         assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
+        assert key_cache.is_contiguous() and value_cache.is_contiguous()
         assert num_heads % num_kv_heads == 0 and block_size & (block_size - 1) == 0
         for t in (query, out):
             assert t.stride(2) == 1 and t.stride(1) == head_dim, "query/out rows must pack heads and head_dim"
-        for t in (key_cache, value_cache, block_tables, query_start, query_len, context_len):
-            assert t.is_contiguous()
-        assert block_tables.dtype == query_start.dtype == query_len.dtype == context_len.dtype == torch.int64
         status = self._fn("paged_attention", query.dtype)(
             query.data_ptr(),
             query.stride(0),
@@ -182,12 +196,12 @@ class CPUKernels:
             value_cache.data_ptr(),
             out.data_ptr(),
             out.stride(0),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            query_start.data_ptr(),
-            query_len.data_ptr(),
-            context_len.data_ptr(),
-            len(query_len),
+            sequences.block_tables,
+            sequences.block_table_stride,
+            sequences.query_start,
+            sequences.query_len,
+            sequences.context_len,
+            sequences.num_seqs,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -281,54 +295,49 @@ def cpu_kernels() -> CPUKernels | None:
     return kernels
 
 
+@dataclass(frozen=True)
+class SequencePointers:
+    """The per-sequence arguments of the attention kernel, as the C code takes them. The tensors
+    behind the pointers must outlive every call (``DecodeAttention`` holds them)."""
+
+    block_tables: int
+    block_table_stride: int
+    query_start: int
+    query_len: int
+    context_len: int
+    num_seqs: int
+
+    @classmethod
+    def of(cls, block_tables, query_start, query_len, context_len) -> SequencePointers:
+        return cls(
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            query_start.data_ptr(),
+            query_len.data_ptr(),
+            context_len.data_ptr(),
+            len(context_len),
+        )
+
+
 class DecodeAttention:
     """``CPUKernels.paged_attention`` with one query row per sequence, bound to one step's block
-    tables and context lengths: a layer's call passes four pointers and the scale."""
+    tables and context lengths, checked once: every layer of the step reuses them."""
 
     def __init__(self, kernels: CPUKernels, block_tables: torch.Tensor, context_len: torch.Tensor) -> None:
-        assert block_tables.dtype == context_len.dtype == torch.int64
-        assert block_tables.is_contiguous() and context_len.is_contiguous()
         num_seqs = len(context_len)
+        starts, ones = torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.int64)
+        for t in (block_tables, context_len):
+            assert t.dtype == torch.int64 and t.is_contiguous()
         assert block_tables.shape[0] == num_seqs
         self.kernels = kernels
-        self.num_seqs = num_seqs
-        # Kept alive here: the C code reads them through these pointers.
-        self._tensors = (block_tables, context_len, torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.int64))
-        tables, lens, starts, ones = self._tensors
-        self._static = (tables.data_ptr(), tables.stride(0), starts.data_ptr(), ones.data_ptr(), lens.data_ptr())
+        self._tensors = (block_tables, context_len, starts, ones)  # kept alive for the pointers
+        self.sequences = SequencePointers.of(block_tables, starts, ones, context_len)
 
     def __call__(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor, scale: float
     ) -> None:
         """query/out [>= num_seqs, heads, head_dim]: rows 0..num_seqs-1 are the decodes."""
-        _, num_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
-        assert key_cache.dtype == value_cache.dtype == query.dtype == out.dtype and key_cache.shape == value_cache.shape
-        assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == head_dim
-        assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape[3] == head_dim
-        assert num_heads % num_kv_heads == 0 and block_size & (block_size - 1) == 0
-        tables, table_stride, starts, ones, lens = self._static
-        status = self.kernels._fn("paged_attention", query.dtype)(
-            query.data_ptr(),
-            query.stride(0),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            out.data_ptr(),
-            out.stride(0),
-            tables,
-            table_stride,
-            starts,
-            ones,
-            lens,
-            self.num_seqs,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            scale,
-        )
-        if status != 0:
-            raise MemoryError("the CPU paged-attention kernel could not allocate its score buffer")
+        self.kernels._attend(query, key_cache, value_cache, out, self.sequences, scale)
 
 
 def load(path: Path) -> CPUKernels:
