@@ -59,20 +59,12 @@ class TorchPagedAttention(AttentionBackend):
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
             if meta.kernels is not None:
                 context_lens = torch.tensor(seq_lens, dtype=torch.long)
-                meta.decode_attention = meta.kernels.decode_plan(meta.decode_block_tables, context_lens)
-                meta.prefills = self._prefills(step, block_size, device)
-                return meta
-            lens = torch.tensor(seq_lens, device=device)
-            span = torch.arange(max_blocks * block_size, device=device)
-            meta.decode_padding = (span[None, :] >= lens[:, None])[:, None, None, :]
-            meta.decode_mask = ~meta.decode_padding
-        meta.prefills = self._prefills(step, block_size, device)
-        return meta
-
-    @staticmethod
-    def _prefills(step: StepTensors, block_size: int, device: torch.device) -> list[_Prefill]:
-        nd = step.num_decodes
-        prefills = []
+                meta.decode_attention = DecodeAttention(meta.kernels, meta.decode_block_tables, context_lens)
+            else:
+                lens = torch.tensor(seq_lens, device=device)
+                span = torch.arange(max_blocks * block_size, device=device)
+                meta.decode_padding = (span[None, :] >= lens[:, None])[:, None, None, :]
+                meta.decode_mask = ~meta.decode_padding
         start = nd
         prefill_seqs = zip(step.query_lens[nd:], step.seq_lens[nd:], step.block_tables[nd:], strict=True)
         for q_len, seq_len, table in prefill_seqs:
@@ -82,9 +74,9 @@ class TorchPagedAttention(AttentionBackend):
                 prefill.block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-            prefills.append(prefill)
+            meta.prefills.append(prefill)
             start += q_len
-        return prefills
+        return meta
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         assert isinstance(metadata, TorchAttentionMetadata)

@@ -144,11 +144,6 @@ class CPUKernels:
             kv_heads * head_dim,
         )
 
-    def decode_plan(self, block_tables: torch.Tensor, context_len: torch.Tensor) -> DecodeAttention:
-        """Paged attention for one query row per sequence, its per-step arguments checked and bound
-        once (every layer of the step reuses them)."""
-        return DecodeAttention(self, block_tables, context_len)
-
     def paged_attention(
         self,
         query: torch.Tensor,
