@@ -10,7 +10,14 @@ each set against the ceiling it can at best reach:
   prefill   one step of 8 x 256-token prompts (2,048 tokens)   model FLOPs / step time vs GEMM at M=2048
   decode64  a decode step of 64 sequences at ~320-token context model FLOPs / step time vs GEMM at M=64
   decode1   a decode step of one sequence at ~320 tokens       step time / the time of one batch-1 product
-                                                               through every weight matrix (the "GEMVs")
+                                                               through every weight matrix (the "GEMVs", each
+                                                               through the engine's own one-row product)
+
+Decode steps are also set against two floors: their matmuls at the GEMM ceiling, and their bytes
+(every weight matrix once, the keys and values of every position attended) read once at the
+machine's read bandwidth (a 1 GiB sum); "of bound" is the larger floor over the step time. A
+decode step at long contexts is a stream through memory: no share of the GEMM ceiling it cannot
+be fed.
 
 Each step is timed back to back with its ceiling (the ratio of each pair, then the median): the
 machine is shared, and a ceiling measured a minute apart from the step it judges can be off by 1.5x.
@@ -31,6 +38,7 @@ import torch.nn.functional as F
 from bench.common import exact_length_prompts, print_table, write_json
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
+from engine.layers.linear import linear, small_m_kernels
 from engine.llm_engine import LLMEngine
 
 GEMM_ROWS = (1, 32, 64, 256, 2048)
@@ -49,6 +57,19 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read per second summing a ``num_bytes`` buffer (best of ``repeats``): what a step that
+    streams its weights and KV cache from memory can at best be fed."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
 
 
 def _layer_matrices(engine: LLMEngine) -> list[torch.Tensor]:
@@ -84,6 +105,7 @@ class Ceilings:
         self.every = _all_matrices(engine)
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._gemv_inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in self.every]
+        self.tp = engine.executor.driver.tp
 
     def gemm_gflops(self, rows: int, budget_s: float = 0.05) -> float:
         """F.linear GFLOP/s through one layer's four matrices at ``rows`` rows (best of a short burst)."""
@@ -96,10 +118,13 @@ class Ceilings:
         return flops / seconds / 1e9
 
     def gemv_seconds(self, budget_s: float = 0.1) -> float:
-        """One batch-1 product through every weight matrix once (the embedding's too: it is the tied LM head)."""
+        """One batch-1 product through every weight matrix once (the embedding's too: it is the tied
+        LM head), each through the engine's own product for one row: F.linear, or the CPU kernels'
+        small-M stream where it is faster (bfloat16 with AVX512_BF16): the fastest GEMVs we have."""
         pairs = list(zip(self._gemv_inputs, self.every, strict=True))
+        kernels = small_m_kernels(self.tp, self.every[0].dtype)
         with torch.inference_mode():
-            return _best_time(lambda: [F.linear(x, w) for x, w in pairs], budget_s)
+            return _best_time(lambda: [linear(x, w, None, kernels) for x, w in pairs], budget_s)
 
 
 def _model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: int) -> float:
@@ -108,6 +133,16 @@ def _model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: i
     linear = 2 * tokens * per_layer * shape.num_layers + 2 * sampled * shape.vocab_size * shape.hidden_size
     attention = 4 * shape.num_heads * shape.head_dim * attended_pairs * shape.num_layers
     return float(linear + attention)
+
+
+def _step_bytes(engine: LLMEngine, attended_pairs: int) -> float:
+    """Bytes a decode step must read at least: every weight matrix once, and the keys and values
+    of every (sequence, position) pair it attends to."""
+    shape = engine.executor.driver.shape
+    matrices = _all_matrices(engine)
+    weights = sum(w.numel() * w.element_size() for w in matrices)
+    kv_per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * matrices[0].element_size()
+    return float(weights + kv_per_position * attended_pairs)
 
 
 def time_prefill(engine: LLMEngine, prompts: list[list[int]], repeats: int, ceiling) -> list[tuple[float, float]]:
@@ -151,7 +186,7 @@ def time_decode(
     return pairs, int(statistics.mean(contexts))
 
 
-def measure(dtype: str, steps: int) -> tuple[list[dict], dict]:
+def measure(dtype: str, steps: int, read_bytes_per_s: float) -> tuple[list[dict], dict]:
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(dtype=dtype),
@@ -179,6 +214,7 @@ def measure(dtype: str, steps: int) -> tuple[list[dict], dict]:
 
     def compute_row(step: str, flops: float, pairs: list[tuple[float, float]], rows: int, target: str) -> dict:
         seconds = statistics.median(s for s, _ in pairs)
+        compute_floor = flops / (statistics.median(c for _, c in pairs) * 1e9)
         return {
             "dtype": dtype,
             "step": step,
@@ -188,21 +224,35 @@ def measure(dtype: str, steps: int) -> tuple[list[dict], dict]:
             # Each step against the ceiling measured right after it; the median of those ratios.
             "of ceiling": statistics.median(flops / s / 1e9 / c for s, c in pairs),
             "target": target,
+            "compute floor ms": compute_floor * 1e3,
         }
+
+    def with_memory_floor(row: dict, step_bytes: float) -> dict:
+        # A step can be neither faster than its matmuls at the GEMM ceiling nor than reading its
+        # bytes once at the read bandwidth; "of bound" is the larger floor over the step time.
+        floor = step_bytes / read_bytes_per_s
+        bound = max(floor, row.get("compute floor ms", 0.0) / 1e3)
+        return {**row, "memory floor ms": floor * 1e3, "of bound": bound / (row["step ms"] / 1e3)}
 
     decode1_s = statistics.median(s for s, _ in decode1)
     rows = [
         compute_row(f"prefill {PREFILL_PROMPTS}x{PREFILL_LEN}", prefill_flops, prefill, 2048, ">= 0.60"),
-        compute_row(f"decode {DECODE_BATCH} seqs, ctx {context64}", decode64_flops, decode64, 64, ">= 0.50"),
-        {
-            "dtype": dtype,
-            "step": f"decode 1 seq, ctx {context1}",
-            "step ms": decode1_s * 1e3,
-            "ceiling": f"GEMVs {statistics.median(g for _, g in decode1) * 1e3:.1f} ms",
-            "of ceiling": statistics.median(g / s for s, g in decode1),
-            "step / GEMVs": statistics.median(s / g for s, g in decode1),
-            "target": "step <= 1.25 x GEMVs",
-        },
+        with_memory_floor(
+            compute_row(f"decode {DECODE_BATCH} seqs, ctx {context64}", decode64_flops, decode64, 64, ">= 0.50"),
+            _step_bytes(engine, DECODE_BATCH * context64),
+        ),
+        with_memory_floor(
+            {
+                "dtype": dtype,
+                "step": f"decode 1 seq, ctx {context1}",
+                "step ms": decode1_s * 1e3,
+                "ceiling": f"GEMVs {statistics.median(g for _, g in decode1) * 1e3:.1f} ms",
+                "of ceiling": statistics.median(g / s for s, g in decode1),
+                "step / GEMVs": statistics.median(s / g for s, g in decode1),
+                "target": "step <= 1.25 x GEMVs",
+            },
+            _step_bytes(engine, context1),
+        ),
     ]
     return rows, {"gemm_gflops": rates, "gemv_seconds": ceilings.gemv_seconds()}
 
@@ -213,13 +263,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     args = parser.parse_args(argv)
 
-    bandwidth = copy_bandwidth()
+    bandwidth, read = copy_bandwidth(), read_bandwidth()
     rows, ceilings = [], {}
     for dtype in args.dtypes:
-        dtype_rows, ceilings[dtype] = measure(dtype, args.steps)
+        dtype_rows, ceilings[dtype] = measure(dtype, args.steps, read)
         rows += dtype_rows
     threads = torch.get_num_threads()
-    print(f"copy bandwidth (1 GiB, read+write): {bandwidth / 1e9:.1f} GB/s; {threads} threads")
+    print(
+        f"copy bandwidth (1 GiB, read+write): {bandwidth / 1e9:.1f} GB/s; read bandwidth (1 GiB sum): "
+        f"{read / 1e9:.1f} GB/s; {threads} threads"
+    )
     gemm_rows = [
         {"dtype": dtype, **{f"M={m}": ceilings[dtype]["gemm_gflops"][m] for m in GEMM_ROWS}} for dtype in args.dtypes
     ]
@@ -233,9 +286,15 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
         ["dtype", "step", "step ms", "GFLOP/s", "ceiling", "of ceiling", "step / GEMVs", "target"],
     )
+    print_table(
+        "Decode steps against both floors (matmuls at the GEMM ceiling; weights + KV read once)",
+        [row for row in rows if "memory floor ms" in row],
+        ["dtype", "step", "step ms", "compute floor ms", "memory floor ms", "of bound"],
+    )
     payload = {
         "args": vars(args),
         "bandwidth_bytes_per_s": bandwidth,
+        "read_bytes_per_s": read,
         "threads": threads,
         "ceilings": ceilings,
         "rows": rows,

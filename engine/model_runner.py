@@ -15,6 +15,7 @@ from common.kv_layout import KVCacheLayout, bytes_per_block
 from engine.attention import StepTensors, get_backend
 from engine.distributed.parallel import TensorParallel
 from engine.dtype_probe import resolve_auto_dtype
+from engine.heap import keep_freed_memory
 from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from engine.kv_connector import KVConnector, load_connector, model_fingerprint
 from engine.models import check_tp_degree, resolve_architecture
@@ -96,6 +97,8 @@ class ModelRunner:
                 config.kv_connector.factory, config.kv_connector.options, self.layout, self.kv_caches, fingerprint
             )
             self.model.model.layer_hook = self.connector.after_layer
+        if self.device.type == "cpu":
+            keep_freed_memory()  # after start-up's one-off allocations: only the steps' reuse matters
 
     def connector_end_step(self, sampled: dict[str, int] | None) -> bytes:
         """This shard's connector report for the step, msgpack-encoded (b"" without a connector)."""

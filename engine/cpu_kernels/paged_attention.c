@@ -17,7 +17,12 @@
  * head_dim that is a multiple of 16, the query-key dot products of 16 positions are reduced
  * together (one transposing add tree instead of 16 horizontal sums: the dot products were
  * two thirds of the kernel's time); elsewhere the same loops are left to the compiler.
- * OpenMP inside is the runtime torch loaded, so this shares torch's thread pool.
+ * With AVX512_BF16, bfloat16 query-key dot products take the native bf16 pair dot product
+ * (vdpbf16ps: products exact in float32, summed in float32; the scale is applied to the sum).
+ * The weighted sum of values keeps each query head's accumulator in registers (head_dim up to
+ * 128, two query heads of a GQA group at a time, so each value row is widened once for both).
+ * OpenMP inside is the runtime torch loaded, so this shares torch's thread pool; each thread
+ * allocates its score buffer once per call, not once per (sequence, KV head).
  */
 #include "common.h"
 
@@ -52,6 +57,12 @@ static inline __m512 sum_lanes_of_16(const __m512 *v) {
 #define HAVE_WIDE_PATH 0
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 /* Rows of one KV head sit 256 bytes apart from the next token's, in blocks scattered through the
  * cache: the hardware prefetcher does not follow that, and the kernel waited on memory more than it
  * computed. Each 16 positions fetch the next 16 rows ahead. */
@@ -65,11 +76,129 @@ static inline __m512 sum_lanes_of_16(const __m512 *v) {
 #define ROW_AT(cache, pos) \
     ((cache) + table[(pos) >> block_shift] * block_stride + ((pos) & (block_size - 1)) * token_stride + kv_offset)
 
+/* Where one (sequence, KV head) item's rows lie in the cache: what ROW_AT needs. */
+#define ITEM_GEOMETRY const int64_t *table, int32_t block_size, int block_shift, int64_t block_stride, \
+                      int64_t token_stride, int64_t kv_offset
+#define ITEM_ARGS table, block_size, block_shift, block_stride, token_stride, kv_offset
+
+#if HAVE_WIDE_PATH
+/* acc[g] = sum over positions of probs[g][pos] * value row, for GB query heads at once, each
+ * accumulator (C vectors of 16: head_dim = 16 C) held in registers; each value row is loaded and
+ * widened once for the GB heads. */
+#define DEFINE_WEIGHTED_VALUES(NAME, T, LOAD16, C, GB)                                                 \
+static void NAME(const float *probs, int64_t padded, const T *value_cache, int64_t limit,              \
+                 int32_t head_dim, ITEM_GEOMETRY, float *acc_out) {                                      \
+    __m512 acc[GB][C];                                                                                   \
+    for (int g = 0; g < GB; g++)                                                                         \
+        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();                                     \
+    PREFETCH_ROWS(value_cache, 0, limit, head_dim * (int64_t)sizeof(T))                                  \
+    for (int64_t pos = 0; pos < limit; pos++) {                                                          \
+        if ((pos & 15) == 0) PREFETCH_ROWS(value_cache, pos + 16, limit, head_dim * (int64_t)sizeof(T))  \
+        const T *v = ROW_AT(value_cache, pos);                                                           \
+        __m512 row[C];                                                                                   \
+        for (int c = 0; c < C; c++) row[c] = LOAD16(v + 16 * c);                                         \
+        for (int g = 0; g < GB; g++) {                                                                   \
+            const __m512 p = _mm512_set1_ps(probs[g * padded + pos]);                                    \
+            for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, row[c], acc[g][c]);              \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int g = 0; g < GB; g++)                                                                         \
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc_out + g * head_dim + 16 * c, acc[g][c]);       \
+}
+
+#define DEFINE_WEIGHTED_VALUES_FOR(T, LOAD16)                                                          \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_1_1, T, LOAD16, 1, 1)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_1_2, T, LOAD16, 1, 2)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_2_1, T, LOAD16, 2, 1)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_2_2, T, LOAD16, 2, 2)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_4_1, T, LOAD16, 4, 1)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_4_2, T, LOAD16, 4, 2)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_8_1, T, LOAD16, 8, 1)                                  \
+    DEFINE_WEIGHTED_VALUES(weighted_values_##T##_8_2, T, LOAD16, 8, 2)                                  \
+    /* 1 if this head_dim has a register path (the caller then needs no other loop). */                 \
+    static int weighted_values_##T(const float *probs, int64_t padded, const T *value_cache,            \
+                                   int64_t limit, int32_t group, int32_t head_dim, ITEM_GEOMETRY,       \
+                                   float *acc) {                                                        \
+        for (int32_t g = 0; g < group;) {                                                               \
+            const int two = group - g >= 2;                                                             \
+            const float *pg = probs + g * padded;                                                       \
+            float *ag = acc + g * head_dim;                                                             \
+            switch (head_dim * 2 + two) {                                                               \
+            case 32: weighted_values_##T##_1_1(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 33: weighted_values_##T##_1_2(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 64: weighted_values_##T##_2_1(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 65: weighted_values_##T##_2_2(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 128: weighted_values_##T##_4_1(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 129: weighted_values_##T##_4_2(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 256: weighted_values_##T##_8_1(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            case 257: weighted_values_##T##_8_2(pg, padded, value_cache, limit, head_dim, ITEM_ARGS, ag); break; \
+            default: return 0;                                                                          \
+            }                                                                                           \
+            g += two ? 2 : 1;                                                                           \
+        }                                                                                               \
+        return 1;                                                                                       \
+    }
+
+typedef float f32;
+typedef uint16_t bf16;
+DEFINE_WEIGHTED_VALUES_FOR(f32, load16_f32)
+DEFINE_WEIGHTED_VALUES_FOR(bf16, load16_bf16)
+#define WEIGHTED_VALUES(T) weighted_values_##T
+#else
+#define WEIGHTED_VALUES(T) weighted_values_none
+static int weighted_values_none(const float *probs, int64_t padded, const void *value_cache, int64_t limit,
+                                int32_t group, int32_t head_dim, ITEM_GEOMETRY, float *acc) {
+    (void)probs; (void)padded; (void)value_cache; (void)limit; (void)group; (void)head_dim; (void)acc;
+    (void)table; (void)block_size; (void)block_shift; (void)block_stride; (void)token_stride; (void)kv_offset;
+    return 0;
+}
+typedef float f32;
+typedef uint16_t bf16;
+#endif
+
+#if HAVE_BF16_DOT
+/* scores[g][pos] = scale * q_g . k_pos with bfloat16 q and k multiplied pairwise in float32
+ * (vdpbf16ps), 16 positions at a time reduced together; head_dim a multiple of 32. */
+static void scores_bf16_dot(const uint16_t *q, float scale, const uint16_t *key_cache, int64_t limit,
+                            int32_t group, int32_t head_dim, ITEM_GEOMETRY, float *scores, int64_t padded) {
+    const int32_t chunks = head_dim / 32;
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    PREFETCH_ROWS(key_cache, 0, limit, head_dim * (int64_t)sizeof(uint16_t))
+    for (int64_t start = 0; start < limit; start += 16) {
+        PREFETCH_ROWS(key_cache, start + 16, limit, head_dim * (int64_t)sizeof(uint16_t))
+        const int64_t n = limit - start < 16 ? limit - start : 16;
+        const uint16_t *rows_k[16];
+        for (int64_t t = 0; t < n; t++) rows_k[t] = ROW_AT(key_cache, start + t);
+        for (int32_t g = 0; g < group; g++) {
+            const uint16_t *qg = q + (int64_t)g * head_dim;
+            __m512 partial[16];
+            for (int64_t t = 0; t < 16; t++) {
+                __m512 sum = _mm512_setzero_ps();
+                if (t < n)
+                    for (int32_t c = 0; c < chunks; c++)
+                        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qg + 32 * c),
+                                               (__m512bh)_mm512_loadu_si512(rows_k[t] + 32 * c));
+                partial[t] = sum;
+            }
+            _mm512_storeu_ps(scores + g * padded + start, _mm512_mul_ps(sum_lanes_of_16(partial), scale16));
+        }
+    }
+}
+#endif
+
+/* Whether bfloat16 scores take the native pair dot product (then the query is read unscaled). */
+#define BF16_DOT_f32(head_dim) 0
+#define BF16_DOT_bf16(head_dim) (HAVE_BF16_DOT && (head_dim) % 32 == 0)
+
 #define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, LOAD16)                                            \
-static void NAME##_scores(const float *q, const T *key_cache, const int64_t *table, int64_t limit,     \
-                          int32_t group, int32_t head_dim, int32_t block_size, int block_shift,         \
-                          int64_t block_stride, int64_t token_stride, int64_t kv_offset,                \
+static void NAME##_scores(const float *q, const T *query_row, float scale, const T *key_cache,          \
+                          int64_t limit, int32_t group, int32_t head_dim, ITEM_GEOMETRY,                 \
                           float *scores, int64_t ctx) {                                                  \
+    (void)query_row; (void)scale;                                                                        \
+    if (BF16_DOT_##T(head_dim)) {                                                                        \
+        SCORES_BF16_DOT(query_row, scale, key_cache, limit, group, head_dim, scores, ctx)                \
+        return;                                                                                          \
+    }                                                                                                    \
     if (HAVE_WIDE_PATH && head_dim % 16 == 0) {                                                         \
         WIDE_SCORES(T, LOAD16)                                                                          \
         return;                                                                                         \
@@ -97,32 +226,45 @@ int NAME(const T *query, int64_t query_row_stride, const T *key_cache, const T *
     const int64_t block_stride = token_stride * block_size;                                              \
     const int block_shift = __builtin_ctz((unsigned)block_size);                                         \
     const int64_t num_items = (int64_t)num_seqs * num_kv_heads;                                          \
+    const int bf16_dot = BF16_DOT_##T(head_dim);                                                         \
     int failed = 0;                                                                                      \
     /* Query-key pairs to visit: below ~512 (a sequence of a few dozen tokens) waking the other    \
      * threads costs more than they save (far more when another process holds their core).          \
      * Batch 1 at 320 tokens (960 pairs) still gains: 35-48 us across 2 threads, 52-80 on one. */    \
-    int64_t work = 0;                                                                                    \
-    for (int32_t s = 0; s < num_seqs; s++) work += context_len[s] * query_len[s] * num_kv_heads;         \
-    _Pragma("omp parallel for schedule(dynamic, 1) if (work > 512)")                                  \
+    int64_t work = 0, longest = 0;                                                                       \
+    for (int32_t s = 0; s < num_seqs; s++) {                                                             \
+        work += context_len[s] * query_len[s] * num_kv_heads;                                            \
+        longest = context_len[s] > longest ? context_len[s] : longest;                                   \
+    }                                                                                                    \
+    /* scores padded to whole 16s: the wide paths write them 16 at a time */                           \
+    const int64_t longest_padded = (longest + 15) & ~(int64_t)15;                                        \
+    _Pragma("omp parallel if (work > 512)")                                                           \
+    {                                                                                                    \
+    float *buf = (float *)malloc(sizeof(float) * (size_t)group * (size_t)(longest_padded + 2 * head_dim)); \
+    if (buf == NULL) {                                                                                   \
+        _Pragma("omp atomic write")                                                                   \
+        failed = 1;                                                                                      \
+    }                                                                                                    \
+    /* Static: each thread takes one run of consecutive items (a sequence's KV heads, then the next \
+     * sequence's), which read neighbouring cache lines: 1.22 against 1.40 ms a layer for dynamic  \
+     * items at 64 x 324 tokens with the cache cold (a whole sequence an item was slower still). */ \
+    _Pragma("omp for schedule(static)")                                                           \
     for (int64_t item = 0; item < num_items; item++) {                                                  \
+        if (buf == NULL) continue;                                                                       \
         const int64_t s = item / num_kv_heads;                                                           \
         const int32_t kv_head = (int32_t)(item % num_kv_heads);                                          \
         const int64_t kv_offset = (int64_t)kv_head * head_dim;                                           \
         const int64_t ctx = context_len[s], rows = query_len[s];                                         \
         const int64_t *table = block_tables + s * block_table_stride;                                    \
-        /* scores padded to whole 16s: the wide path writes them 16 at a time */                        \
         const int64_t padded = (ctx + 15) & ~(int64_t)15;                                                \
-        float *buf = (float *)malloc(sizeof(float) * (size_t)group * (size_t)(padded + 2 * head_dim));  \
-        if (buf == NULL) { failed = 1; continue; }                                                       \
         float *scores = buf, *q = buf + (size_t)group * padded, *acc = q + (size_t)group * head_dim;    \
         for (int64_t r = 0; r < rows; r++) {                                                             \
             const int64_t row = query_start[s] + r, limit = ctx - rows + r + 1;                         \
-            for (int32_t g = 0; g < group; g++) {                                                        \
-                const T *src = query + row * query_row_stride + (int64_t)(kv_head * group + g) * head_dim; \
-                for (int32_t d = 0; d < head_dim; d++) q[g * head_dim + d] = LOAD(src + d) * scale;      \
-            }                                                                                            \
-            NAME##_scores(q, key_cache, table, limit, group, head_dim, block_size, block_shift,          \
-                          block_stride, token_stride, kv_offset, scores, padded);                        \
+            const T *query_row = query + row * query_row_stride + (int64_t)(kv_head * group) * head_dim; \
+            if (!bf16_dot)                                                                               \
+                for (int32_t i = 0; i < group * head_dim; i++) q[i] = LOAD(query_row + i) * scale;       \
+            NAME##_scores(q, query_row, scale, key_cache, limit, group, head_dim, ITEM_ARGS, scores, padded); \
+            float inv[group];                                                                            \
             for (int32_t g = 0; g < group; g++) {                                                        \
                 float *sg = scores + g * padded, best = -FLT_MAX, total = 0.0f;                          \
                 _Pragma("omp simd reduction(max : best)")                                              \
@@ -132,27 +274,30 @@ int NAME(const T *query, int64_t query_row_stride, const T *key_cache, const T *
                     sg[pos] = exp_nonpositive(sg[pos] - best);                                           \
                     total += sg[pos];                                                                    \
                 }                                                                                        \
-                const float inv = 1.0f / total;                                                          \
-                for (int64_t pos = 0; pos < limit; pos++) sg[pos] *= inv;                                \
+                inv[g] = 1.0f / total;                                                                   \
             }                                                                                            \
-            memset(acc, 0, sizeof(float) * (size_t)group * head_dim);                                    \
-            PREFETCH_ROWS(value_cache, 0, limit, head_dim * (int64_t)sizeof(T))                          \
-            for (int64_t pos = 0; pos < limit; pos++) {                                                  \
-                if ((pos & 15) == 0) PREFETCH_ROWS(value_cache, pos + 16, limit, head_dim * (int64_t)sizeof(T)) \
-                const T *v = ROW_AT(value_cache, pos);                                                   \
-                for (int32_t g = 0; g < group; g++) {                                                    \
-                    const float p = scores[g * padded + pos];                                            \
-                    float *ag = acc + g * head_dim;                                                      \
-                    _Pragma("omp simd")                                                                \
-                    for (int32_t d = 0; d < head_dim; d++) ag[d] += p * LOAD(v + d);                     \
+            /* Unnormalized weights summed, then scaled once: one multiply per output, not per key. */ \
+            if (!WEIGHTED_VALUES(T)(scores, padded, value_cache, limit, group, head_dim, ITEM_ARGS, acc)) { \
+                memset(acc, 0, sizeof(float) * (size_t)group * head_dim);                                \
+                PREFETCH_ROWS(value_cache, 0, limit, head_dim * (int64_t)sizeof(T))                      \
+                for (int64_t pos = 0; pos < limit; pos++) {                                              \
+                    if ((pos & 15) == 0) PREFETCH_ROWS(value_cache, pos + 16, limit, head_dim * (int64_t)sizeof(T)) \
+                    const T *v = ROW_AT(value_cache, pos);                                               \
+                    for (int32_t g = 0; g < group; g++) {                                                \
+                        const float p = scores[g * padded + pos];                                        \
+                        float *ag = acc + g * head_dim;                                                  \
+                        _Pragma("omp simd")                                                            \
+                        for (int32_t d = 0; d < head_dim; d++) ag[d] += p * LOAD(v + d);                 \
+                    }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
             for (int32_t g = 0; g < group; g++) {                                                        \
                 T *dst = out + row * out_row_stride + (int64_t)(kv_head * group + g) * head_dim;        \
-                for (int32_t d = 0; d < head_dim; d++) STORE(dst + d, acc[g * head_dim + d]);           \
+                for (int32_t d = 0; d < head_dim; d++) STORE(dst + d, acc[g * head_dim + d] * inv[g]);  \
             }                                                                                            \
         }                                                                                                \
-        free(buf);                                                                                       \
+    }                                                                                                    \
+    free(buf);                                                                                           \
     }                                                                                                    \
     return failed ? -1 : 0;                                                                              \
 }
@@ -185,5 +330,13 @@ int NAME(const T *query, int64_t query_row_stride, const T *key_cache, const T *
 #define WIDE_SCORES(T, LOAD16)
 #endif
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, load16_f32)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16, load16_bf16)
+#if HAVE_BF16_DOT
+#define SCORES_BF16_DOT(query_row, scale, key_cache, limit, group, head_dim, scores, ctx) \
+    scores_bf16_dot((const uint16_t *)(query_row), scale, (const uint16_t *)(key_cache), limit, group, head_dim, \
+                    ITEM_ARGS, scores, ctx);
+#else
+#define SCORES_BF16_DOT(query_row, scale, key_cache, limit, group, head_dim, scores, ctx)
+#endif
+
+DEFINE_PAGED_ATTENTION(paged_attention_f32, f32, LOAD_F32, STORE_F32, load16_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, bf16, LOAD_BF16, STORE_BF16, load16_bf16)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel import TensorParallel
+from engine.layers.linear import linear, small_m_kernels
 from engine.weights import TensorSource
 
 
@@ -41,7 +42,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__(vocab_size, hidden, tp, dtype)
+        self.kernels = small_m_kernels(tp, dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere)."""
-        logits = self.tp.gather_last_dim_to_driver(F.linear(hidden, self.weight))
+        logits = self.tp.gather_last_dim_to_driver(linear(hidden, self.weight, None, self.kernels))
         return logits[..., : self.vocab_size] if logits is not None else None

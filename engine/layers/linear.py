@@ -15,8 +15,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_kernels import SMALL_M_ROWS, CPUKernels, kernels_for
 from engine.distributed.parallel import TensorParallel
 from engine.weights import TensorSource
+
+
+def small_m_kernels(tp: TensorParallel, dtype: torch.dtype) -> CPUKernels | None:
+    """The CPU kernels where they have a faster product for a few rows of this dtype, else None."""
+    kernels = kernels_for(tp.device)
+    return kernels if kernels is not None and kernels.has_small_m_linear(dtype) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels | None):
+    """F.linear, except a decode step of one or two rows on a CPU whose bfloat16 GEMV is slow."""
+    if kernels is not None and x.shape[0] <= SMALL_M_ROWS:
+        out = kernels.small_m_linear(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -33,13 +49,14 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_shard = out_features // tp.size
         self.weight = _param((self.out_per_shard, in_features), dtype, self.load_rows)
         self.bias = _param((self.out_per_shard,), dtype, self.load_rows) if bias else None
+        self.kernels = small_m_kernels(tp, dtype)
 
     def load_rows(self, param: nn.Parameter, source: TensorSource, shard_id: object = None) -> None:
         size = param.shape[0]
         param.data.copy_(source.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -101,6 +118,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_shard = in_features // tp.size
         self.weight = _param((out_features, self.in_per_shard), dtype, self.load_cols)
         self.bias = _param((out_features,), dtype, self.load_full) if bias else None
+        self.kernels = small_m_kernels(tp, dtype)
 
     def load_cols(self, param: nn.Parameter, source: TensorSource, shard_id: object = None) -> None:
         size = param.shape[1]
@@ -111,5 +129,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins once, after the partial sums meet.
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.kernels))
         return y + self.bias if self.bias is not None else y

@@ -36,9 +36,12 @@ def sequences(smol_dir) -> list[list[int]]:
     return [ids[i * 211 : i * 211 + length] for i in range(NUM_SEQS)]
 
 
-def teacher_forced_argmax(runner: ModelRunner, sequences: list[list[int]]) -> torch.Tensor:
+def teacher_forced_argmax(
+    runner: ModelRunner, sequences: list[list[int]], one_row_decodes: bool = False
+) -> torch.Tensor:
     """[seqs, positions - 1] argmax of our logits: one prefill step over every prompt (logits at
-    each position), then DECODE_LEN - 1 batched decode steps fed the true next tokens."""
+    each position), then DECODE_LEN - 1 batched decode steps fed the true next tokens (with
+    ``one_row_decodes``, a step per sequence: the one-row products a lightly loaded replica runs)."""
     blocks_per_seq = -(-len(sequences[0]) // BLOCK)
     tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))[::-1] for s in range(len(sequences))]
 
@@ -58,6 +61,11 @@ def teacher_forced_argmax(runner: ModelRunner, sequences: list[list[int]]) -> to
     rows = [logits[start : start + PREFILL_LEN].argmax(-1) for start in starts]
     decoded: list[list[int]] = [[] for _ in sequences]
     for p in range(PREFILL_LEN, len(sequences[0]) - 1):
+        if one_row_decodes:
+            for s, seq in enumerate(sequences):
+                step = StepInput([seq[p]], [p], [slot(s, p)], 1, [1], [p + 1], [tables[s]], [0])
+                decoded[s].append(int(runner.execute(step).argmax(-1).item()))
+            continue
         step = StepInput(
             [seq[p] for seq in sequences],
             [p] * NUM_SEQS,
@@ -73,8 +81,8 @@ def teacher_forced_argmax(runner: ModelRunner, sequences: list[list[int]]) -> to
     return torch.stack([torch.cat([row, torch.tensor(d)]) for row, d in zip(rows, decoded, strict=True)])
 
 
-def agreement(runner: ModelRunner, hf, sequences: list[list[int]]) -> float:
-    ours = teacher_forced_argmax(runner, sequences)
+def agreement(runner: ModelRunner, hf, sequences: list[list[int]], one_row_decodes: bool = False) -> float:
+    ours = teacher_forced_argmax(runner, sequences, one_row_decodes)
     with torch.no_grad():
         theirs = hf(torch.tensor(sequences)).logits[:, :-1].argmax(-1)
     assert ours.shape == theirs.shape and ours.numel() >= 2000
@@ -92,6 +100,13 @@ def test_bfloat16_agrees_with_transformers_bfloat16(smol_dir, hf_bf16, sequences
     share = agreement(bf16_runner(smol_dir), hf_bf16, sequences)
     record_property("bf16_argmax_agreement", share)
     print(f"bf16 argmax agreement with transformers bf16: {share:.4f}")
+    assert share >= 0.99
+
+
+def test_one_row_decode_steps_agree_too(smol_dir, hf_bf16, sequences):
+    # One row a step takes the CPU kernels' small-M product where the CPU has AVX512_BF16.
+    share = agreement(bf16_runner(smol_dir), hf_bf16, sequences, one_row_decodes=True)
+    print(f"bf16 argmax agreement, one-row decode steps: {share:.4f}")
     assert share >= 0.99
 
 

@@ -52,11 +52,18 @@ def reference_attention(query, key_cache, value_cache, table, context_len, scale
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16)]
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    # GQA groups of 3 (a pair of query heads then one), 1, 8 and 4; head_dim 64/32/16/128 (the
+    # register-held accumulators of 4, 2, 1 and 8 vectors; 16 is too short for the bf16 pair dot).
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16), (8, 2, 128, 16)],
 )
-def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_heads, head_dim, block_size):
-    # Sequences of 1 (decode) to many query rows, contexts crossing block edges, blocks out of order.
+@pytest.mark.parametrize("many", [False, True])
+def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_heads, head_dim, block_size, many):
+    # Sequences of 1 (decode) to many query rows, contexts crossing block edges, blocks out of order;
+    # with ``many``, a decode batch's worth of them (each thread takes a run of consecutive items).
     shapes = [(1, 1), (1, block_size), (1, block_size + 1), (5, 37), (block_size, 3 * block_size), (1, 300)]
+    if many:
+        shapes = shapes * 2 + [(1, 1 + 23 * i % 200) for i in range(40)]
     num_blocks = sum(-(-ctx // block_size) for _, ctx in shapes) + 3
     key_cache, value_cache = paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype, seed=heads)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
@@ -186,6 +193,16 @@ def test_the_portable_build_agrees_with_the_native_one(portable, dtype):
     torch.testing.assert_close(
         KERNELS.silu_and_mul(gate_up), portable.silu_and_mul(gate_up), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
     )
+    # Rotary rounds op for op in both builds (AVX-512 intrinsics natively, compiler loops portably):
+    # the same bits, a head_dim whose half is no multiple of 16 included.
+    for dim in (64, 40):
+        qk = torch.randn(6, 12, dim, generator=g).to(dtype)
+        cos, sin = torch.randn(50, dim, generator=g).to(dtype), torch.randn(50, dim, generator=g).to(dtype)
+        positions = torch.randint(0, 50, (6,), generator=g)
+        native, other = qk.clone(), qk.clone()
+        KERNELS.rotary(native[:, :9], native[:, 9:], cos, sin, positions)
+        portable.rotary(other[:, :9], other[:, 9:], cos, sin, positions)
+        assert torch.equal(native, other)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,3 +218,39 @@ def test_write_kv_matches_index_copy(dtype):
     expected_v.view(-1, 2, 32).index_copy_(0, slots, v)
     KERNELS.write_kv(k, v, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+SMALL_M = pytest.mark.skipif(
+    KERNELS is None or not KERNELS.has_small_m_linear(torch.bfloat16), reason="needs a CPU with AVX512_BF16"
+)
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+@SMALL_M
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (77, 45), (33, 2), (5, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_m_linear_matches_a_float32_product(rows, n, k, with_bias):
+    # Odd k (a k row without a partner), n not a multiple of 32 (masked columns), n below 4.
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    weight = column_major(torch.randn(n, k, generator=g).bfloat16())
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = KERNELS.small_m_linear(x, weight, bias)
+    assert got is not None and got.shape == (rows, n) and got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    # float32 sums of exact products, rounded once to bfloat16: within half a bf16 ulp of the exact
+    # value, plus the float32 summation error.
+    torch.testing.assert_close(got.float(), exact, atol=1e-3, rtol=2**-8)
+
+
+@SMALL_M
+def test_small_m_linear_leaves_other_shapes_and_layouts_to_f_linear():
+    x = torch.randn(3, 64).bfloat16()
+    weight = torch.randn(32, 64).bfloat16()
+    assert KERNELS.small_m_linear(x, column_major(weight)) is None  # more rows than it takes
+    assert KERNELS.small_m_linear(x[:1], weight) is None  # row-major weight
+    assert KERNELS.small_m_linear(x[:1, ::2], column_major(weight[:, :32])) is None  # strided row

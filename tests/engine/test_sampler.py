@@ -10,6 +10,7 @@ from engine.sampler import (
     Sampler,
     SamplingRequestState,
     apply_penalties,
+    greedy_pick,
     make_generator,
 )
 
@@ -250,3 +251,13 @@ def test_make_generator_accepts_negative_and_huge_seeds() -> None:
     b = torch.rand(3, generator=make_generator(2**64 - 1))
     assert torch.equal(a, b)
     assert not torch.equal(torch.rand(3, generator=make_generator(0)), a)
+
+
+def test_greedy_pick_is_argmax_with_ties_going_to_the_first_index():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 1000, generator=g)
+    logits[5, [7, 300, 999]] = 100.0  # a three-way tie: the first index wins, as with argmax
+    logits[9, :] = 0.0  # a flat row
+    picks = greedy_pick(logits)
+    assert torch.equal(picks, logits.argmax(dim=-1))
+    assert picks[5].item() == 7 and picks[9].item() == 0
