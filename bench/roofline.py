@@ -2,7 +2,8 @@
 
     python -m bench.roofline [--dtypes float32 bfloat16] [--steps 10]
 
-Ceilings, per dtype: ``F.linear`` GFLOP/s through the model's own weight matrices (one layer's
+Ceilings, per dtype: GFLOP/s of the engine's own product (F.linear, or oneDNN on the weights
+packed at load, as the engine runs them) through the model's own weight matrices (one layer's
 qkv, o, gate_up and down, as the engine stores them) at M = 1, 32, 64, 256 and 2,048 rows, and
 copy bandwidth (bytes read + written per second of a 1 GiB copy). Then three engine steps,
 each set against the ceiling it can at best reach:
@@ -10,8 +11,7 @@ each set against the ceiling it can at best reach:
   prefill   one step of 8 x 256-token prompts (2,048 tokens)   model FLOPs / step time vs GEMM at M=2048
   decode64  a decode step of 64 sequences at ~320-token context model FLOPs / step time vs GEMM at M=64
   decode1   a decode step of one sequence at ~320 tokens       step time / the time of one batch-1 product
-                                                               through every weight matrix (the "GEMVs", each
-                                                               through the engine's own one-row product)
+                                                               through every weight matrix (the "GEMVs")
 
 Decode steps are also set against two floors: their matmuls at the GEMM ceiling, and their bytes
 (every weight matrix once, the keys and values of every position attended) read once at the
@@ -33,12 +33,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import exact_length_prompts, print_table, write_json
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
-from engine.layers.linear import linear, small_m_kernels
+from engine.layers.linear import linear
 from engine.llm_engine import LLMEngine
 
 GEMM_ROWS = (1, 32, 64, 256, 2048)
@@ -97,34 +96,43 @@ def _best_time(fn, budget_s: float = 0.3, min_runs: int = 3) -> float:
     return best
 
 
+def _products(modules) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, packed copy or None) of each module: what the engine's ``linear`` multiplies by."""
+    return [(m.weight, m.packed) for m in modules]
+
+
 class Ceilings:
-    """The machine's matmul ceilings through this engine's own weights, as stored."""
+    """The machine's matmul ceilings through this engine's own weights and its own product
+    (``engine.layers.linear.linear``: F.linear, or oneDNN on weights packed at load where the
+    engine packs them): the fastest products we have for these matrices."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.layer = _layer_matrices(engine)
-        self.every = _all_matrices(engine)
+        model = engine.executor.driver.model
+        layer = model.model.layers[0]
+        self.layer = _products(
+            [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        )
+        # Every linear module once, the LM head included (tied to the embedding on SmolLM2).
+        self.every = _products([m for m in model.modules() if hasattr(m, "packed")])
         self._inputs: dict[int, list[torch.Tensor]] = {}
-        self._gemv_inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in self.every]
-        self.tp = engine.executor.driver.tp
+        self._gemv_inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w, _ in self.every]
 
     def gemm_gflops(self, rows: int, budget_s: float = 0.05) -> float:
-        """F.linear GFLOP/s through one layer's four matrices at ``rows`` rows (best of a short burst)."""
+        """GFLOP/s through one layer's four matrices at ``rows`` rows (best of a short burst)."""
         if rows not in self._inputs:
-            self._inputs[rows] = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in self.layer]
+            self._inputs[rows] = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w, _ in self.layer]
         inputs = self._inputs[rows]
-        flops = sum(2 * rows * w.numel() for w in self.layer)
+        flops = sum(2 * rows * w.numel() for w, _ in self.layer)
+        pairs = list(zip(inputs, self.layer, strict=True))
         with torch.inference_mode():
-            seconds = _best_time(lambda: [F.linear(x, w) for x, w in zip(inputs, self.layer, strict=True)], budget_s)
+            seconds = _best_time(lambda: [linear(x, w, None, packed) for x, (w, packed) in pairs], budget_s)
         return flops / seconds / 1e9
 
     def gemv_seconds(self, budget_s: float = 0.1) -> float:
-        """One batch-1 product through every weight matrix once (the embedding's too: it is the tied
-        LM head), each through the engine's own product for one row: F.linear, or the CPU kernels'
-        small-M stream where it is faster (bfloat16 with AVX512_BF16): the fastest GEMVs we have."""
+        """One batch-1 product through every linear weight once (the LM head's too)."""
         pairs = list(zip(self._gemv_inputs, self.every, strict=True))
-        kernels = small_m_kernels(self.tp, self.every[0].dtype)
         with torch.inference_mode():
-            return _best_time(lambda: [linear(x, w, None, kernels) for x, w in pairs], budget_s)
+            return _best_time(lambda: [linear(x, w, None, packed) for x, (w, packed) in pairs], budget_s)
 
 
 def _model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: int) -> float:
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
         {"dtype": dtype, **{f"M={m}": ceilings[dtype]["gemm_gflops"][m] for m in GEMM_ROWS}} for dtype in args.dtypes
     ]
     print_table(
-        "GEMM ceiling: F.linear GFLOP/s through one layer's weights",
+        "GEMM ceiling: the engine's product, GFLOP/s through one layer's weights",
         gemm_rows,
         ["dtype"] + [f"M={m}" for m in GEMM_ROWS],
     )

@@ -18,6 +18,7 @@ from engine.dtype_probe import resolve_auto_dtype
 from engine.heap import keep_freed_memory
 from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from engine.kv_connector import KVConnector, load_connector, model_fingerprint
+from engine.layers.linear import cpu_packing_available, pack_linear_weights
 from engine.models import check_tp_degree, resolve_architecture
 from engine.models.llama import LlamaForCausalLM, LlamaShape
 from engine.step_input import StepInput
@@ -85,6 +86,8 @@ class ModelRunner:
         self.model.load_weights(iter_safetensors(model_dir))
         if self.device.type == "cpu":
             _store_weights_column_major(self.model)
+        if cpu_packing_available(self.device, self.dtype):
+            logger.info("%d linear weights packed for oneDNN", pack_linear_weights(self.model))
         self.model.eval()
         self.layout = self._plan_kv_cache()
         self.kv_caches, self._kv_region = allocate_kv_caches(

@@ -102,10 +102,6 @@ def _row_major(t: torch.Tensor, name: str) -> None:
     assert t.dim() == 2 and t.stride(1) == 1, f"{name} must be [rows, n] with packed rows"
 
 
-# Rows up to which small_m_linear beats F.linear (measured; see fused.c).
-SMALL_M_ROWS = 2
-
-
 class CPUKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
@@ -114,43 +110,6 @@ class CPUKernels:
                 fn = getattr(library, f"{op}_{suffix}")
                 fn.restype, fn.argtypes = restype, argtypes
                 self._fns[(op, dtype)] = fn
-        # Built only where the CPU has AVX512_BF16 (the build is -march=native).
-        self._small_m_bf16 = getattr(library, "small_m_linear_bf16", None)
-        if self._small_m_bf16 is not None:
-            self._small_m_bf16.restype = ctypes.c_int
-            self._small_m_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I32, _I64, _P, _I64]
-
-    def has_small_m_linear(self, dtype: torch.dtype) -> bool:
-        return dtype == torch.bfloat16 and self._small_m_bf16 is not None
-
-    def small_m_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """F.linear(x, weight, bias) for bfloat16 x of at most SMALL_M_ROWS packed rows and a
-        weight [n, k] stored column-major (``weight.t()`` contiguous, as the engine stores them),
-        or None for anything else (the caller then runs F.linear)."""
-        if self._small_m_bf16 is None or x.dim() != 2 or not 1 <= x.shape[0] <= SMALL_M_ROWS:
-            return None
-        rows, k = x.shape
-        n = weight.shape[0]
-        if x.stride(1) != 1 or weight.dim() != 2 or not weight.t().is_contiguous() or weight.shape[1] != k:
-            return None
-        assert x.dtype == weight.dtype == torch.bfloat16, "small_m_linear takes bfloat16"
-        if bias is not None:
-            assert bias.is_contiguous() and bias.shape == (n,) and bias.dtype == torch.bfloat16
-        out = torch.empty((rows, n), dtype=torch.bfloat16)
-        done = self._small_m_bf16(
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            n,
-            k,
-            rows,
-            out.data_ptr(),
-            out.stride(0),
-        )
-        return out if done else None
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in _SUFFIX

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel import TensorParallel
-from engine.layers.linear import linear, small_m_kernels
+from engine.layers.linear import linear
 from engine.weights import TensorSource
 
 
@@ -44,9 +44,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__(vocab_size, hidden, tp, dtype)
-        self.kernels = small_m_kernels(tp, dtype)
+        self.packed: torch.Tensor | None = None  # engine.layers.linear.pack_linear_weights sets it
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere)."""
-        logits = self.tp.gather_last_dim_to_driver(linear(hidden, self.weight, None, self.kernels))
+        logits = self.tp.gather_last_dim_to_driver(linear(hidden, self.weight, None, self.packed))
         return logits[..., : self.vocab_size] if logits is not None else None

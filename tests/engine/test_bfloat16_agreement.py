@@ -9,6 +9,7 @@ import torch
 
 from common.config import CacheConfig, EngineConfig, ModelConfig
 from engine.distributed.parallel import TensorParallel
+from engine.layers.linear import cpu_packing_available, pack_linear_weights
 from engine.model_runner import ModelRunner
 from engine.step_input import StepInput
 from tests.conftest import long_text
@@ -104,7 +105,7 @@ def test_bfloat16_agrees_with_transformers_bfloat16(smol_dir, hf_bf16, sequences
 
 
 def test_one_row_decode_steps_agree_too(smol_dir, hf_bf16, sequences):
-    # One row a step takes the CPU kernels' small-M product where the CPU has AVX512_BF16.
+    # One-row products take other kernels than batched ones (oneDNN's GEMV on packed weights).
     share = agreement(bf16_runner(smol_dir), hf_bf16, sequences, one_row_decodes=True)
     print(f"bf16 argmax agreement, one-row decode steps: {share:.4f}")
     assert share >= 0.99
@@ -114,6 +115,8 @@ def test_a_broken_layer_fails_the_agreement_check(smol_dir, hf_bf16, sequences):
     runner = bf16_runner(smol_dir)
     with torch.no_grad():
         runner.model.model.layers[12].mlp.down_proj.weight.mul_(-1.0)  # one sign flip in one layer
+        if cpu_packing_available(runner.device, runner.dtype):
+            pack_linear_weights(runner.model)  # the products read the packed copies: pack them again
     share = agreement(runner, hf_bf16, sequences)
     print(f"with layer 12's down_proj negated: {share:.4f}")
     assert share < 0.99

@@ -218,39 +218,3 @@ def test_write_kv_matches_index_copy(dtype):
     expected_v.view(-1, 2, 32).index_copy_(0, slots, v)
     KERNELS.write_kv(k, v, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
-
-
-SMALL_M = pytest.mark.skipif(
-    KERNELS is None or not KERNELS.has_small_m_linear(torch.bfloat16), reason="needs a CPU with AVX512_BF16"
-)
-
-
-def column_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()
-
-
-@SMALL_M
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (77, 45), (33, 2), (5, 1)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_small_m_linear_matches_a_float32_product(rows, n, k, with_bias):
-    # Odd k (a k row without a partner), n not a multiple of 32 (masked columns), n below 4.
-    g = torch.Generator().manual_seed(n * k + rows)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    weight = column_major(torch.randn(n, k, generator=g).bfloat16())
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    got = KERNELS.small_m_linear(x, weight, bias)
-    assert got is not None and got.shape == (rows, n) and got.dtype == torch.bfloat16
-    exact = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
-    # float32 sums of exact products, rounded once to bfloat16: within half a bf16 ulp of the exact
-    # value, plus the float32 summation error.
-    torch.testing.assert_close(got.float(), exact, atol=1e-3, rtol=2**-8)
-
-
-@SMALL_M
-def test_small_m_linear_leaves_other_shapes_and_layouts_to_f_linear():
-    x = torch.randn(3, 64).bfloat16()
-    weight = torch.randn(32, 64).bfloat16()
-    assert KERNELS.small_m_linear(x, column_major(weight)) is None  # more rows than it takes
-    assert KERNELS.small_m_linear(x[:1], weight) is None  # row-major weight
-    assert KERNELS.small_m_linear(x[:1, ::2], column_major(weight[:, :32])) is None  # strided row

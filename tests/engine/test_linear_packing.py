@@ -1,0 +1,57 @@
+"""bfloat16 linear weights packed once for oneDNN: the same products as F.linear, on every layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.config import CacheConfig, EngineConfig, ModelConfig
+from engine.distributed.parallel import TensorParallel
+from engine.layers.linear import cpu_packing_available, linear, pack_weight
+from engine.model_runner import ModelRunner
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    not cpu_packing_available(CPU, torch.bfloat16), reason="torch built without oneDNN (mkldnn)"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_packed_product_is_f_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(960, 576, generator=g).bfloat16().t().contiguous().t()  # column-major, as stored
+    bias = torch.randn(960, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    got = linear(x, weight, bias, pack_weight(weight))
+    assert got.shape == (rows, 960) and got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    # float32 sums rounded once to bfloat16: within ~1 bf16 ulp of the exact product.
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2**-7)
+
+
+def runner(model_dir, dtype: str) -> ModelRunner:
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype=dtype), cache=CacheConfig(kv_cache_memory=8 << 20)
+    )
+    return ModelRunner(config, model_dir, TensorParallel.single(CPU))
+
+
+def linear_modules(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "packed")]
+
+
+def test_a_bfloat16_runner_packs_every_linear_weight_and_float32_none(tiny_dir):
+    bf16 = linear_modules(runner(tiny_dir, "bfloat16").model)
+    assert len(bf16) == 4 * 2 + 1  # qkv, o, gate_up, down of each of the tiny model's 2 layers, and the LM head
+    for module in bf16:
+        assert module.packed is not None
+        x = torch.randn(2, module.weight.shape[1]).bfloat16()
+        torch.testing.assert_close(
+            linear(x, module.weight, None, module.packed).float(),
+            F.linear(x, module.weight).float(),
+            atol=3e-2,
+            rtol=2**-7,
+        )
+    assert all(m.packed is None for m in linear_modules(runner(tiny_dir, "float32").model))
