@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -109,6 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="skip generate_batch (slow on CPU; it runs on the fixed workload only)",
     )
+    parser.add_argument(
+        "--save-prompts",
+        metavar="PATH",
+        help="also write the prompts' token ids as JSON, for a peer on the same inputs (bench/peer_vllm_offline.py)",
+    )
     args = parser.parse_args(argv)
     batch_size = args.batch_size or args.num_prompts
 
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = resolve_model_dir(None)
     prompts = exact_length_prompts(load_tokenizer(model_dir), args.num_prompts, args.input_len)
+    if args.save_prompts:
+        Path(args.save_prompts).write_text(json.dumps(prompts))
     rows = []
     for workload in args.workloads:
         lengths = output_lengths(workload, args.num_prompts, args.output_len)
