@@ -84,10 +84,10 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(shape, tp, self.backend, self.dtype, self.max_model_len)
         self.model.load_weights(iter_safetensors(model_dir))
-        if self.device.type == "cpu":
-            _store_weights_column_major(self.model)
         if cpu_packing_available(self.device, self.dtype):
             logger.info("%d linear weights packed for oneDNN", pack_linear_weights(self.model))
+        elif self.device.type == "cpu":
+            _store_weights_column_major(self.model)
         self.model.eval()
         self.layout = self._plan_kv_cache()
         self.kv_caches, self._kv_region = allocate_kv_caches(

@@ -91,7 +91,9 @@ DEFINE_ROTARY(rotary_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
  * each bf16 rounding as a dozen scalar-shaped steps, so bfloat16 ran at a third of float32's
  * speed per element (SiLU-and-mul over 2,048 x 1,536: 2.1 ms against 1.0). These compute the same
  * values, op for op and rounding for rounding (the round-to-nearest-even is the integer one of
- * bf16_round, NaN kept quiet); only RMSNorm's sum of squares is added in another order. */
+ * bf16_round, NaN kept quiet), for every finite input; RMSNorm's sum of squares is added in another
+ * order, and the exp clamps -inf to -87 where the portable arithmetic clamp gives NaN (SiLU of an
+ * infinite gate is then +-inf here, NaN there). */
 #include <immintrin.h>
 
 static inline __mmask16 lanes_left(int32_t left) {

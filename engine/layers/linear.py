@@ -25,17 +25,16 @@ _PACKING_ROWS_HINT = 2048
 
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this engine's linear weights are kept pre-packed in oneDNN's layout: bfloat16 on a
-    CPU build of torch with oneDNN. F.linear hands a plain weight to oneDNN, which reorders it into
+    CPU build of torch with oneDNN, on a CPU oneDNN runs bfloat16 on (AVX-512 BW/VL/DQ or newer;
+    elsewhere it refuses to pack). F.linear hands a plain weight to oneDNN, which reorders it into
     its blocked (AMX/AVX-512) layout again on every call; packed once at load, the same products
     over SmolLM2's 120 layer matrices took 12 ms instead of 21 at one row, 17 instead of 27 at 64,
     187 instead of 225-352 at 2,048. float32 goes through MKL, where packing did not pay (slower at
     1 and 64 rows), so it stays plain."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    mkldnn = torch.ops.mkldnn
+    return hasattr(mkldnn, "_reorder_linear_weight") and bool(mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -44,22 +43,31 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    """F.linear, or the same product through the weight's packed copy where it has one."""
+    """F.linear, or the same product through the weight's packed copy where it has one (then the
+    packed copy is the weight: see ``pack_linear_weights``)."""
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Give every linear layer of ``model`` (and the LM head) a packed copy of its weight; returns
-    how many. The plain weight stays: the embedding shares the LM head's, and loading, TP and the
-    benchmarks read it (for SmolLM2 in bfloat16 the copies add 270 MB)."""
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "packed") and isinstance(getattr(module, "weight", None), torch.Tensor):
-            module.packed = pack_weight(module.weight)
-            count += 1
-    return count
+    """Give every linear layer of ``model`` (and the LM head) a packed copy of its weight, after
+    loading; returns how many. The plain weight's memory is then released, except where another
+    module shares it (a tied embedding, which looks rows up in it): ``weight`` keeps its shape and
+    dtype for whoever reads them, but no values, so anything that changes a weight after this
+    must load and pack it again."""
+    linear_modules = [m for m in model.modules() if hasattr(m, "packed") and isinstance(m.weight, torch.Tensor)]
+    packed_ids = {id(m.weight) for m in linear_modules}
+    shared = {
+        id(p) for m in model.modules() if m not in linear_modules for p in m.parameters(recurse=False)
+    } & packed_ids
+    for module in linear_modules:
+        module.packed = pack_weight(module.weight)
+        if id(module.weight) not in shared:
+            weight = module.weight
+            # Shape and dtype stay (benchmarks and FLOP counts read them); one element of storage.
+            weight.data = torch.empty_strided(weight.shape, (0, 0), dtype=weight.dtype, device=weight.device)
+    return len(linear_modules)
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype, loader) -> nn.Parameter:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.config import CacheConfig, EngineConfig, ModelConfig
+from engine import model_runner
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import cpu_packing_available, pack_linear_weights
 from engine.model_runner import ModelRunner
@@ -111,12 +112,14 @@ def test_one_row_decode_steps_agree_too(smol_dir, hf_bf16, sequences):
     assert share >= 0.99
 
 
-def test_a_broken_layer_fails_the_agreement_check(smol_dir, hf_bf16, sequences):
-    runner = bf16_runner(smol_dir)
+def test_a_broken_layer_fails_the_agreement_check(smol_dir, hf_bf16, sequences, monkeypatch):
+    with monkeypatch.context() as patch:  # packing releases the plain weights: break one before packing
+        patch.setattr(model_runner, "cpu_packing_available", lambda device, dtype: False)
+        runner = bf16_runner(smol_dir)
     with torch.no_grad():
         runner.model.model.layers[12].mlp.down_proj.weight.mul_(-1.0)  # one sign flip in one layer
-        if cpu_packing_available(runner.device, runner.dtype):
-            pack_linear_weights(runner.model)  # the products read the packed copies: pack them again
+    if cpu_packing_available(runner.device, runner.dtype):
+        pack_linear_weights(runner.model)  # as a bf16 runner on this CPU would have
     share = agreement(runner, hf_bf16, sequences)
     print(f"with layer 12's down_proj negated: {share:.4f}")
     assert share < 0.99

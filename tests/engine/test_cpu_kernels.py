@@ -54,8 +54,9 @@ def reference_attention(query, key_cache, value_cache, table, context_len, scale
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     # GQA groups of 3 (a pair of query heads then one), 1, 8 and 4; head_dim 64/32/16/128 (the
-    # register-held accumulators of 4, 2, 1 and 8 vectors; 16 is too short for the bf16 pair dot).
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16), (8, 2, 128, 16)],
+    # register-held accumulators of 4, 2, 1 and 8 vectors; 16 is too short for the bf16 pair dot);
+    # head_dim 96: the bf16 pair dot with the plain value loop.
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16), (8, 2, 128, 16), (6, 2, 96, 8)],
 )
 @pytest.mark.parametrize("many", [False, True])
 def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_heads, head_dim, block_size, many):
@@ -193,6 +194,20 @@ def test_the_portable_build_agrees_with_the_native_one(portable, dtype):
     torch.testing.assert_close(
         KERNELS.silu_and_mul(gate_up), portable.silu_and_mul(gate_up), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
     )
+    # Widths that are no multiple of 16 (the AVX-512 paths' masked tails): SiLU to the bit for
+    # finite inputs, RMSNorm within its reduction order.
+    odd = (torch.randn(4, 2 * 37, generator=g) * 8).to(dtype)
+    assert torch.equal(KERNELS.silu_and_mul(odd), portable.silu_and_mul(odd))
+    x, delta = torch.randn(3, 37, generator=g).to(dtype), torch.randn(3, 37, generator=g).to(dtype)
+    weight = torch.rand(37, generator=g).to(dtype)
+    native_x, portable_x = x.clone(), x.clone()
+    torch.testing.assert_close(
+        KERNELS.rms_norm(native_x, weight, 1e-5, residual_delta=delta),
+        portable.rms_norm(portable_x, weight, 1e-5, residual_delta=delta),
+        atol=TOLERANCE[dtype],
+        rtol=0,
+    )
+    assert torch.equal(native_x, portable_x)  # the residual add, to the bit
     # Rotary rounds op for op in both builds (AVX-512 intrinsics natively, compiler loops portably):
     # the same bits, a head_dim whose half is no multiple of 16 included.
     for dim in (64, 40):

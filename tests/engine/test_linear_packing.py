@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import CacheConfig, EngineConfig, ModelConfig
+from engine import model_runner
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import cpu_packing_available, linear, pack_weight
 from engine.model_runner import ModelRunner
@@ -42,16 +43,32 @@ def linear_modules(model) -> list:
     return [m for m in model.modules() if hasattr(m, "packed")]
 
 
-def test_a_bfloat16_runner_packs_every_linear_weight_and_float32_none(tiny_dir):
-    bf16 = linear_modules(runner(tiny_dir, "bfloat16").model)
-    assert len(bf16) == 4 * 2 + 1  # qkv, o, gate_up, down of each of the tiny model's 2 layers, and the LM head
-    for module in bf16:
-        assert module.packed is not None
+def test_a_bfloat16_runner_packs_every_linear_weight_and_float32_none(tiny_dir, monkeypatch):
+    packed = runner(tiny_dir, "bfloat16")
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "cpu_packing_available", lambda device, dtype: False)
+        plain = runner(tiny_dir, "bfloat16")
+    modules = linear_modules(packed.model)
+    assert len(modules) == 4 * 2 + 1  # qkv, o, gate_up, down of each of the tiny model's 2 layers, and the LM head
+    for module, reference in zip(modules, linear_modules(plain.model), strict=True):
+        assert module.packed is not None and reference.packed is None
+        assert module.weight.shape == reference.weight.shape and module.weight.dtype == torch.bfloat16
         x = torch.randn(2, module.weight.shape[1]).bfloat16()
         torch.testing.assert_close(
             linear(x, module.weight, None, module.packed).float(),
-            F.linear(x, module.weight).float(),
+            F.linear(x, reference.weight).float(),
             atol=3e-2,
             rtol=2**-7,
         )
     assert all(m.packed is None for m in linear_modules(runner(tiny_dir, "float32").model))
+
+
+def test_packing_releases_the_plain_weights_but_not_the_tied_embedding(tiny_dir):
+    model = runner(tiny_dir, "bfloat16").model
+    for layer in model.model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert module.weight.untyped_storage().nbytes() <= 2  # one bf16 element: the values live in .packed
+    embedding = model.model.embed_tokens.weight
+    assert embedding.untyped_storage().nbytes() == embedding.numel() * 2  # rows still looked up
+    if model.shape.tie_word_embeddings:
+        assert model.lm_head.weight is embedding
