@@ -5,7 +5,10 @@ side-by-side figure. Runs in the peer's own venv (``../shared/peers/setup.sh``),
         --workloads fixed --skip-hf-continuous --save-prompts /tmp/prompts.json
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 VLLM_CPU_KVCACHE_SPACE=4 \\
         VLLM_CPU_OMP_THREADS_BIND=0-1 HF_HUB_OFFLINE=1 $HOME/.cache/peers/vllm-venv/bin/python \\
-        bench/peer_vllm_offline.py /tmp/prompts.json --output-len 64 --dtype bfloat16
+        -m bench.peer_vllm_offline /tmp/prompts.json --output-len 64 --dtype bfloat16
+
+from the repository root, with -m: run as a path, bench/ would come first on sys.path and its
+profile.py would shadow the standard library's (torch imports cProfile, which imports profile).
 
 Prints seconds and requests per second for all prompts at once (after a 4-prompt warm-up),
 greedy, ``ignore_eos``, prefix caching off, every prompt held to exactly --output-len tokens.

@@ -81,10 +81,6 @@ def _layer_matrices(engine: LLMEngine) -> list[torch.Tensor]:
     ]
 
 
-def _all_matrices(engine: LLMEngine) -> list[torch.Tensor]:
-    return list({id(p): p for p in engine.executor.driver.model.parameters() if p.dim() == 2}.values())
-
-
 def _best_time(fn, budget_s: float = 0.3, min_runs: int = 3) -> float:
     fn()
     best, spent, runs = float("inf"), 0.0, 0
@@ -144,13 +140,15 @@ def _model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: i
 
 
 def _step_bytes(engine: LLMEngine, attended_pairs: int) -> float:
-    """Bytes a decode step must read at least: every weight matrix once, and the keys and values
-    of every (sequence, position) pair it attends to."""
+    """Bytes a decode step must read at least: every linear weight once (the LM head's included;
+    of an untied embedding only the few rows looked up, not counted), and the keys and values of
+    every (sequence, position) pair it attends to."""
     shape = engine.executor.driver.shape
-    matrices = _all_matrices(engine)
-    weights = sum(w.numel() * w.element_size() for w in matrices)
-    kv_per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * matrices[0].element_size()
-    return float(weights + kv_per_position * attended_pairs)
+    weights = {id(m.weight): m.weight for m in engine.executor.driver.model.modules() if hasattr(m, "packed")}
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    element = next(iter(weights.values())).element_size()
+    kv_per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element
+    return float(weight_bytes + kv_per_position * attended_pairs)
 
 
 def time_prefill(engine: LLMEngine, prompts: list[list[int]], repeats: int, ceiling) -> list[tuple[float, float]]:
