@@ -37,7 +37,7 @@ import torch
 from bench.common import exact_length_prompts, print_table, write_json
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
-from engine.layers.linear import linear
+from engine.layers.linear import linear, linear_modules
 from engine.llm_engine import LLMEngine
 
 GEMM_ROWS = (1, 32, 64, 256, 2048)
@@ -62,23 +62,16 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes read per second summing a ``num_bytes`` buffer (best of ``repeats``): what a step that
     streams its weights and KV cache from memory can at best be fed."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
+    return num_bytes / _best_time(src.sum, budget_s=0.0, min_runs=repeats)
+
+
+def _layer_modules(engine: LLMEngine) -> list:
+    layer = engine.executor.driver.model.model.layers[0]
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 def _layer_matrices(engine: LLMEngine) -> list[torch.Tensor]:
-    layer = engine.executor.driver.model.model.layers[0]
-    return [
-        layer.self_attn.qkv_proj.weight,
-        layer.self_attn.o_proj.weight,
-        layer.mlp.gate_up_proj.weight,
-        layer.mlp.down_proj.weight,
-    ]
+    return [m.weight for m in _layer_modules(engine)]
 
 
 def _best_time(fn, budget_s: float = 0.3, min_runs: int = 3) -> float:
@@ -103,13 +96,9 @@ class Ceilings:
     engine packs them): the fastest products we have for these matrices."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        model = engine.executor.driver.model
-        layer = model.model.layers[0]
-        self.layer = _products(
-            [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        )
+        self.layer = _products(_layer_modules(engine))
         # Every linear module once, the LM head included (tied to the embedding on SmolLM2).
-        self.every = _products([m for m in model.modules() if hasattr(m, "packed")])
+        self.every = _products(linear_modules(engine.executor.driver.model))
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._gemv_inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w, _ in self.every]
 
@@ -144,7 +133,7 @@ def _step_bytes(engine: LLMEngine, attended_pairs: int) -> float:
     of an untied embedding only the few rows looked up, not counted), and the keys and values of
     every (sequence, position) pair it attends to."""
     shape = engine.executor.driver.shape
-    weights = {id(m.weight): m.weight for m in engine.executor.driver.model.modules() if hasattr(m, "packed")}
+    weights = {id(m.weight): m.weight for m in linear_modules(engine.executor.driver.model)}
     weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
     element = next(iter(weights.values())).element_size()
     kv_per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element

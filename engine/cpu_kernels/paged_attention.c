@@ -82,6 +82,9 @@ static inline __m512 sum_lanes_of_16(const __m512 *v) {
                       int64_t token_stride, int64_t kv_offset
 #define ITEM_ARGS table, block_size, block_shift, block_stride, token_stride, kv_offset
 
+typedef float f32; /* the names the kernels' instantiations are suffixed with */
+typedef uint16_t bf16;
+
 #if HAVE_WIDE_PATH
 /* acc[g] = sum over positions of probs[g][pos] * value row, for GB query heads at once, each
  * accumulator (C vectors of 16: head_dim = 16 C) held in registers; each value row is loaded and
@@ -140,8 +143,6 @@ static void NAME(const float *probs, int64_t padded, const T *value_cache, int64
         return 1;                                                                                       \
     }
 
-typedef float f32;
-typedef uint16_t bf16;
 DEFINE_WEIGHTED_VALUES_FOR(f32, load16_f32)
 DEFINE_WEIGHTED_VALUES_FOR(bf16, load16_bf16)
 #define WEIGHTED_VALUES(T) weighted_values_##T
@@ -153,8 +154,6 @@ static int weighted_values_none(const float *probs, int64_t padded, const void *
     (void)table; (void)block_size; (void)block_shift; (void)block_stride; (void)token_stride; (void)kv_offset;
     return 0;
 }
-typedef float f32;
-typedef uint16_t bf16;
 #endif
 
 #if HAVE_BF16_DOT

@@ -50,24 +50,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module of ``model`` that multiplies through ``linear`` (the layers here and the LM
+    head): the ones that carry a ``packed`` slot."""
+    return [m for m in model.modules() if hasattr(m, "packed") and isinstance(m.weight, torch.Tensor)]
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Give every linear layer of ``model`` (and the LM head) a packed copy of its weight, after
     loading; returns how many. The plain weight's memory is then released, except where another
     module shares it (a tied embedding, which looks rows up in it): ``weight`` keeps its shape and
     dtype for whoever reads them, but no values, so anything that changes a weight after this
     must load and pack it again."""
-    linear_modules = [m for m in model.modules() if hasattr(m, "packed") and isinstance(m.weight, torch.Tensor)]
-    packed_ids = {id(m.weight) for m in linear_modules}
-    shared = {
-        id(p) for m in model.modules() if m not in linear_modules for p in m.parameters(recurse=False)
-    } & packed_ids
-    for module in linear_modules:
+    modules = linear_modules(model)
+    module_ids = {id(m) for m in modules}
+    shared = {id(p) for m in model.modules() if id(m) not in module_ids for p in m.parameters(recurse=False)}
+    for module in modules:
         module.packed = pack_weight(module.weight)
         if id(module.weight) not in shared:
             weight = module.weight
             # Shape and dtype stay (benchmarks and FLOP counts read them); one element of storage.
             weight.data = torch.empty_strided(weight.shape, (0, 0), dtype=weight.dtype, device=weight.device)
-    return len(linear_modules)
+    return len(modules)
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype, loader) -> nn.Parameter:

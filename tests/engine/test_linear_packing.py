@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from common.config import CacheConfig, EngineConfig, ModelConfig
 from engine import model_runner
 from engine.distributed.parallel import TensorParallel
-from engine.layers.linear import cpu_packing_available, linear, pack_weight
+from engine.layers.linear import cpu_packing_available, linear, linear_modules, pack_weight
 from engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -37,10 +37,6 @@ def runner(model_dir, dtype: str) -> ModelRunner:
         model=ModelConfig(model=str(model_dir), dtype=dtype), cache=CacheConfig(kv_cache_memory=8 << 20)
     )
     return ModelRunner(config, model_dir, TensorParallel.single(CPU))
-
-
-def linear_modules(model) -> list:
-    return [m for m in model.modules() if hasattr(m, "packed")]
 
 
 def test_a_bfloat16_runner_packs_every_linear_weight_and_float32_none(tiny_dir, monkeypatch):
