@@ -46,6 +46,10 @@ _FLAGS = {
     "replicas": "--replicas",
     "tp": "--tp",
     "transport": "--transport",
+    "prefill_cores": "--prefill-cores",
+    "decode_cores": "--decode-cores",
+    "cores": "--cores",
+    "dtype": "--dtype",
 }
 SLO_SCALES = (0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0)
 
@@ -86,8 +90,10 @@ class Configuration:
 
 
 def _workload(args: argparse.Namespace, rate: float, tokenizer=None):
+    # The same prompts for every configuration at a rate, other prompts at another rate: one server
+    # measures every rate in turn, and prompts it saw at an earlier rate would hit its prefix cache.
     return build_workload(
-        args.workload, rate, args.num_requests, seed=args.seed, max_model_len=args.max_model_len,
+        args.workload, rate, args.num_requests, seed=args.seed + round(rate * 1000), max_model_len=args.max_model_len,
         scale=args.scale, tokenizer=tokenizer,
     )  # fmt: skip
 
@@ -96,6 +102,14 @@ def measure(config: Configuration, args: argparse.Namespace, slo: SLO, tokenizer
     server = start_server(config.serve_args(args.serve_args))
     config.startup_s = server.startup_s
     try:
+        if args.warmup:
+            # Not measured: a fresh server's first requests run slower (first-time code paths and
+            # memory), and would count against whichever rate happens to be measured first.
+            warmup = build_workload(
+                args.workload, min(args.rates), args.warmup, seed=args.seed + 1, max_model_len=args.max_model_len,
+                scale=args.scale, tokenizer=tokenizer,
+            )  # fmt: skip
+            asyncio.run(run_load(server.base_url, MODEL, warmup, progress=False, timeout_s=args.timeout))
 
         def attainment_at(rate: float) -> float:
             if rate not in config.measured:
@@ -188,6 +202,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--scale", type=float, default=0.1, help="shrink the workload's lengths (CPU machines)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10, help="unmeasured requests first, on each fresh server")
     parser.add_argument("--rates", default="0.5,1,2", help="comma-separated request rates (req/s)")
     parser.add_argument("--search", action="store_true", help="bisect for each configuration's goodput")
     parser.add_argument("--max-probes", type=int, default=6)

@@ -24,8 +24,10 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.cluster_config import ClusterConfig
+from cluster.cluster_config import KV_SHARE_OF_HOST, ClusterConfig, PoolConfig
 from cluster.ray_launcher import RayShardLauncher
+from common.cpu_cores import host_cores
+from common.host_memory import available_bytes
 from decode_pool.server import DecodeServer
 from engine.distributed.parallel import pick_device
 from engine.dtype_probe import resolve_auto_dtype
@@ -54,7 +56,77 @@ def start_ray(config: ClusterConfig) -> None:
         return
     # Logical CPUs are scheduling tokens: a laptop with 2 cores still runs a TP=3 prefill replica.
     num_cpus = max(os.cpu_count() or 1, int(cpus_needed(config) * 2) + 2)
+    # Ray starts its workers at nice 15; the replicas are the server, not background work: at the
+    # default 15 any process on the host (a load client, a build) takes their cores first.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=APP_NAME, log_to_driver=True)
+
+
+def resolved(config: ClusterConfig) -> ClusterConfig:
+    """What ``serve`` deploys and records: ``dtype: auto`` and the pools' cores decided once."""
+    return with_resolved_kv_budget(with_resolved_cores(with_resolved_dtype(config)))
+
+
+def with_resolved_kv_budget(config: ClusterConfig) -> ClusterConfig:
+    """A local CPU cluster without ``kv_cache_memory``: KV_SHARE_OF_HOST of this host's free memory
+    now, split evenly between every shard of every pool, as bytes per shard (recorded, so a later
+    ``scale`` gives new replicas the same)."""
+    if config.kv_cache_memory is not None or config.ray_address or pick_device(config.device).type != "cpu":
+        return config
+    free = available_bytes()
+    per_shard = int(KV_SHARE_OF_HOST * free / config.num_shards)
+    logger.info(
+        "KV cache budget: %.0f%% of the %.1f GiB free on this host, %.2f GiB per shard (%d shards)",
+        KV_SHARE_OF_HOST * 100,
+        free / 2**30,
+        per_shard / 2**30,
+        config.num_shards,
+    )
+    return dataclasses.replace(config, kv_cache_memory=per_shard)
+
+
+def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None) -> ClusterConfig:
+    """A local CPU cluster's replicas own disjoint cores, as GPU replicas own GPUs. Pools without
+    ``cores`` get their share of this host: colocated, all of it; disaggregated, decode gets the
+    larger half (its batched steps are most of a request's work at chat lengths) and prefill the
+    rest, each share divided by the pool's replicas. More cores asked for than the host has is
+    logged (the replicas then share cores). Remote or CUDA clusters are left as configured."""
+    if config.ray_address or pick_device(config.device).type != "cpu":
+        return config
+    total = num_host_cores or len(host_cores())
+    changes: dict[str, PoolConfig] = {}
+    fixed = {p: config.pool(p).cores * config.pool(p).replicas for p in config.pools() if config.pool(p).cores}
+    if config.mode == "colocated":
+        shares = {"colocated": total}
+    else:
+        rest = total - sum(fixed.values())
+        shares = {
+            "prefill": rest if "decode" in fixed else total // 2,
+            "decode": rest if "prefill" in fixed else total - total // 2,
+        }
+    for pool, share in shares.items():
+        spec = config.pool(pool)
+        if spec.cores is None:
+            cores = max(share // spec.replicas, spec.tensor_parallel_size, 1)
+            changes[pool] = dataclasses.replace(spec, cores=cores)
+    config = dataclasses.replace(config, **changes)
+    check_cores(config, total)
+    return config
+
+
+def check_cores(config: ClusterConfig, num_host_cores: int) -> None:
+    wanted = {p: config.pool(p).cores * config.pool(p).replicas for p in config.pools() if config.pool(p).cores}
+    summary = ", ".join(f"{p} {config.pool(p).replicas} x {config.pool(p).cores}" for p in wanted)
+    if sum(wanted.values()) > num_host_cores:
+        logger.warning(
+            "the pools ask for %d cores (%s) on a host with %d: replicas will share cores; lower the "
+            "pools' cores or replicas",
+            sum(wanted.values()),
+            summary,
+            num_host_cores,
+        )
+    elif wanted:
+        logger.info("CPU cores per replica: %s (host: %d)", summary, num_host_cores)
 
 
 def with_resolved_dtype(config: ClusterConfig) -> ClusterConfig:
@@ -101,10 +173,10 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     launcher = RayShardLauncher(spec.cpus_per_shard)
     timeout_s = config.router.request_timeout_s
     if role == "prefill":
-        server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s)
+        server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s, spec.cores)
     else:
         lease = (config.router.kv_lease_s, config.router.kv_lease_per_token_s)
-        server, args = DecodeServer, (engine_config.to_dict(), launcher, lease, timeout_s)
+        server, args = DecodeServer, (engine_config.to_dict(), launcher, lease, timeout_s, spec.cores)
     return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)
 
 
@@ -154,7 +226,7 @@ def build_app(config: ClusterConfig):
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
     """Start Ray (if needed) and Serve on host:port, deploy the app; returns the start-up seconds."""
     started = time.monotonic()
-    config = with_resolved_dtype(config)
+    config = resolved(config)
     start_ray(config)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)

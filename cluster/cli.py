@@ -94,6 +94,7 @@ BENCHMARKS = {
     "plan": "bench.plan",
     "load": "bench.load_client",
     "latency": "bench.serving_latency",
+    "router": "bench.router_overhead",
 }
 
 

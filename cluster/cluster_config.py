@@ -31,6 +31,8 @@ MODES = ("disagg", "colocated")
 TRANSPORTS = ("shm", "grpc", "torch", "tcp")  # kv_transfer backends that cross process boundaries ("inproc" does not)
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CONNECTOR = "kv_transfer.connector:TransferConnector"
+KV_SHARE_OF_HOST = 0.2
+DEFAULT_KV_FRACTION = 0.2
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class PoolConfig:
     max_prefill_chunk: int | None = None
     max_num_waiting: int = 256
     cpus_per_shard: float = 1.0  # Ray CPUs per TP shard (one placement-group bundle each)
+    # CPU: the cores each replica owns, split between its shards and pinned (none shared with
+    # another replica while the host has them). None: a local cluster gives each pool its share of
+    # the host (cluster.app.with_resolved_cores); a remote or CUDA cluster leaves threads unpinned.
+    cores: int | None = None
     max_ongoing_requests: int = 256  # Serve's per-replica cap; beyond it callers queue (back-pressure)
 
     def __post_init__(self) -> None:
@@ -54,6 +60,11 @@ class PoolConfig:
         if self.max_ongoing_requests < 1:
             raise ConfigError(f"max_ongoing_requests={self.max_ongoing_requests} must be >= 1")
         ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        if self.cores is not None and self.cores < self.tensor_parallel_size:
+            raise ConfigError(
+                f"cores={self.cores} is fewer than tensor_parallel_size={self.tensor_parallel_size}: "
+                "each shard needs a core of its own"
+            )
         self.scheduler_config(EngineRole.COLOCATED)
 
     def scheduler_config(self, role: EngineRole) -> SchedulerConfig:
@@ -100,7 +111,11 @@ class ClusterConfig:
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: float | int = 256 * 2**20  # per shard: a fraction in (0, 1] or bytes
+    # Per shard: bytes (an int > 1), or a fraction in (0, 1] of the memory free on its host when it
+    # starts (split between its instance's shards). None: a local CPU cluster gives its KV caches
+    # KV_SHARE_OF_HOST of the host's free memory, split evenly between all its shards
+    # (cluster.app.with_resolved_kv_budget); elsewhere each instance takes DEFAULT_KV_FRACTION.
+    kv_cache_memory: float | int | None = None
     enable_prefix_caching: bool = True
     transport: str = "shm"  # KV transport between pools
     # Off by default: a CRC-32 of every layer on both sides (~4 GB/s here) plus a gather each costs
@@ -141,11 +156,15 @@ class ClusterConfig:
     def _cache_config(self, pool: str) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
+            kv_cache_memory=DEFAULT_KV_FRACTION if self.kv_cache_memory is None else self.kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
             # Decode replicas on this host read a prefill replica's blocks in place over shm.
             shared_memory=self.mode == "disagg" and pool == "prefill" and self.transport == "shm",
         )
+
+    @property
+    def num_shards(self) -> int:
+        return sum(self.pool(p).replicas * self.pool(p).tensor_parallel_size for p in self.pools())
 
     def pools(self) -> list[str]:
         return ["prefill", "decode"] if self.mode == "disagg" else ["colocated"]

@@ -19,6 +19,7 @@ from typing import Any
 
 from cluster.cluster_config import ClusterConfig, load_cluster_config, parse_override
 from common import env
+from common.cpu_cores import format_core_list, host_cores
 from common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ FLAG_KEYS = {
     "decode_tp": "decode.tensor_parallel_size",
     "replicas": "colocated.replicas",
     "tp": "colocated.tensor_parallel_size",
+    "prefill_cores": "prefill.cores",
+    "decode_cores": "decode.cores",
+    "cores": "colocated.cores",
 }
 
 
@@ -56,6 +60,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tp", type=int, help="tensor-parallel degree of each decode replica")
     parser.add_argument("--replicas", type=int, help="colocated mode: replicas of the one pool")
     parser.add_argument("--tp", type=int, help="colocated mode: tensor-parallel degree")
+    parser.add_argument(
+        "--prefill-cores", type=int, help="CPU cores per prefill replica (default: its share of the host)"
+    )
+    parser.add_argument(
+        "--decode-cores", type=int, help="CPU cores per decode replica (default: its share of the host)"
+    )
+    parser.add_argument(
+        "--cores", type=int, help="colocated mode: CPU cores per replica (default: the host's, divided by the replicas)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key, dotted")
 
 
@@ -76,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster import app
 
-    config = app.with_resolved_dtype(config_from_args(args))
+    config = app.resolved(config_from_args(args))
 
     def _terminate(signum, frame):  # SIGTERM takes the same clean path as Ctrl-C
         raise KeyboardInterrupt
@@ -140,12 +153,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"mode {status['mode']}  model {status['model']}  in flight {status['in_flight']}")
-    print(f"{'pool':<10} {'replica':<12} {'running':>7} {'waiting':>7} {'reserved':>8} {'KV used':>8} {'held':>5}")
+    print(
+        f"{'pool':<10} {'replica':<12} {'cores':<8} {'running':>7} {'waiting':>7} {'reserved':>8} "
+        f"{'KV used':>8} {'held':>5}"
+    )
     for pool, reports in status["pools"].items():
         for r in reports:
             used = 1 - r["num_kv_blocks_free"] / r["num_kv_blocks_total"] if r["num_kv_blocks_total"] else 0.0
             print(
-                f"{pool:<10} {r['replica_id']:<12} {r['num_running']:>7} {r['num_waiting']:>7} "
+                f"{pool:<10} {r['replica_id']:<12} {_cores_text(r):<8} {r['num_running']:>7} {r['num_waiting']:>7} "
                 f"{r['num_reserved']:>8} {used:>7.0%} {r['num_blocks_held']:>5}"
             )
     metrics = status.get("metrics", {})
@@ -160,6 +176,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"resumes {status.get('resumes', 0)}"
     )
     return 0
+
+
+def _cores_text(report: dict) -> str:
+    """``0-1``; ``1*`` marks a core shared with another replica; ``-``: unpinned (CUDA, remote)."""
+    cores = report.get("cpu_cores") or []
+    if not cores:
+        return "-"
+    shared = set(report.get("cpu_cores_shared") or [])
+    owned = format_core_list([c for c in cores if c not in shared])
+    return ",".join(filter(None, [owned, *(f"{c}*" for c in sorted(shared))]))
 
 
 def parse_scale(items: list[str]) -> dict[str, int]:
@@ -191,6 +217,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
     counts = parse_scale(args.pools)
     state = _read_state()
     config = scaled(ClusterConfig.from_dict(state["config"]), counts)
+    if not config.ray_address:
+        app.check_cores(config, len(host_cores()))
     ray.init(address=config.ray_address or "auto", namespace=app.APP_NAME, log_to_driver=False)
     serve.run(app.build_app(config), name=app.APP_NAME, route_prefix="/", blocking=False)
     app.wait_ready(config.router.request_timeout_s)

@@ -93,10 +93,15 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0  # a collective that takes longer means a dead shard
+    # CPU: the cores this instance owns, split between its shards, each pinned to its slice (a
+    # serving replica's claim, common.cpu_cores). None: all of this process's cores, unpinned.
+    cpu_cores: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.cpu_cores is not None and (not self.cpu_cores or any(c < 0 for c in self.cpu_cores)):
+            raise ConfigError(f"cpu_cores={self.cpu_cores} must list core numbers (>= 0), or be None")
 
 
 @dataclass(frozen=True)

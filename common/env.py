@@ -35,3 +35,13 @@ def cpu_auto_dtype() -> str | None:
     machine's matmul speed at start-up). The test suite pins float32, the oracle's dtype."""
     value = os.environ.get("PDSERVE_CPU_AUTO_DTYPE", "").strip().lower()
     return value if value in ("float32", "bfloat16") else None
+
+
+def core_lock_dir() -> Path:
+    """Where replicas lock the CPU cores they own, one file per core (PDSERVE_CORE_LOCK_DIR, else
+    /dev/shm/pdserve-cores, host-wide: two clusters on one host do not share cores either)."""
+    configured = os.environ.get("PDSERVE_CORE_LOCK_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else cache_dir()) / "pdserve-cores"

@@ -74,6 +74,7 @@ class ReplicaReport:
     num_running: int = 0
     num_waiting: int = 0
     num_reserved: int = 0  # decode: blocks held for KV still arriving
+    num_waiting_for_blocks: int = 0  # decode: reservations queued until blocks free
     num_kv_blocks_free: int = 0
     num_kv_blocks_total: int = 0
     num_blocks_held: int = 0  # referenced by requests (prefix-cached free blocks excluded)
@@ -82,6 +83,8 @@ class ReplicaReport:
     pid: int = 0  # the replica's process (rank 0), for operators
     recent_block_hashes: list[str] = field(default_factory=list)
     prefix_cache_hit_rate: float = 0.0
+    cpu_cores: list[int] = field(default_factory=list)  # CPU: the cores the replica runs on
+    cpu_cores_shared: list[int] = field(default_factory=list)  # of those, shared (oversubscribed)
 
     @property
     def kv_usage(self) -> float:

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 _ids = itertools.count(1)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 _lock = threading.Lock()
 _regions: dict[int, SharedRegion] = {}
 
@@ -32,14 +33,16 @@ class SharedRegion:
     address: int  # where the mapping starts in this process
 
 
-def create_shared_region(nbytes: int, label: str = "pdserve-kv") -> SharedRegion:
-    """A zero-filled, writable region of ``nbytes``, registered for ``find_shared_region``."""
+def create_shared_region(nbytes: int, label: str = "pdserve-kv", populate: bool = False) -> SharedRegion:
+    """A zero-filled, writable region of ``nbytes``, registered for ``find_shared_region``; with
+    ``populate``, its pages are allocated now instead of at first touch."""
     if nbytes < 1:
         raise ValueError(f"a shared region needs at least one byte, not {nbytes}")
     fd = os.memfd_create(label, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
-        buffer = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+        buffer = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise

@@ -2,10 +2,10 @@
 
 A request's life on a decode replica::
 
-    RESERVED ── KV lands on every shard ──▶ RUNNING ──▶ FINISHED (stop | length)
-       │  lease expires, transfer fails, client gone      │ client gone / engine failure
-       ▼                                                  ▼
-    FAILED (blocks freed, error delta)                  ABORTED | FAILED (blocks freed)
+    WAITING_FOR_BLOCKS ──▶ RESERVED ── KV lands on every shard ──▶ RUNNING ──▶ FINISHED (stop | length)
+       │ queue full,          │  lease expires, transfer fails,       │ client gone / engine failure
+       ▼ deadline passed      ▼  client gone                          ▼
+    OVERLOADED (503)        FAILED (blocks freed, error delta)      ABORTED | FAILED (blocks freed)
 
 ``generate`` first yields a ``TicketIssued`` (blocks reserved; the router hands the ticket to a
 prefill replica), then one ``StreamDelta`` per engine step that produced tokens. In colocated
@@ -14,10 +14,8 @@ mode the same replica runs the prefill too: no ticket, the deltas start at once.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from common.config import EngineConfig, EngineRole
@@ -28,14 +26,14 @@ from common.serving import ServeRequest, StreamDelta, TicketIssued
 from engine.async_engine import AsyncEngine
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
-from engine.replica import EngineReplica, serve_replica_id
+from engine.replica import EngineReplica, claim_replica_cores, serve_replica_id
 from kv_transfer import make_ticket
 
 logger = logging.getLogger(__name__)
-_RESERVE_POLL_S = 0.05
 
 
 class DecodeState(str, enum.Enum):
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"
     RESERVED = "reserved"
     RUNNING = "running"
     FINISHED = "finished"
@@ -43,20 +41,22 @@ class DecodeState(str, enum.Enum):
     FAILED = "failed"
 
 
-def to_delta(output: RequestOutput, replica_id: str) -> StreamDelta:
-    completion = output.outputs[0]
-    new_ids = list(completion.new_token_ids)
-    logprobs = completion.new_logprobs or None
+def to_delta(outputs: list[RequestOutput], replica_id: str) -> StreamDelta:
+    """One delta for consecutive outputs of a request (the last one's state, every one's tokens)."""
+    last = outputs[-1]
+    completion = last.outputs[0]
+    new_ids = [t for o in outputs for t in o.outputs[0].new_token_ids]
+    logprobs = [lp for o in outputs for lp in (o.outputs[0].new_logprobs or ())]
     return StreamDelta(
-        request_id=output.request_id,
+        request_id=last.request_id,
         new_token_ids=new_ids,
-        new_text=completion.new_text,
-        logprobs=logprobs,
-        finish_reason=completion.finish_reason if output.finished else None,
+        new_text="".join(o.outputs[0].new_text for o in outputs),
+        logprobs=logprobs or None,
+        finish_reason=completion.finish_reason if last.finished else None,
         stop_reason=completion.stop_reason,
-        error=output.error,
-        num_prompt_tokens=len(output.prompt_token_ids),
-        num_cached_tokens=output.num_cached_tokens,
+        error=last.error,
+        num_prompt_tokens=len(last.prompt_token_ids),
+        num_cached_tokens=last.num_cached_tokens,
         replica_id=replica_id,
     )
 
@@ -68,9 +68,16 @@ class DecodeServer(EngineReplica):
         launcher: WorkerLauncher | None = None,
         kv_lease: tuple[float, float] = (30.0, 0.0),
         item_timeout_s: float = 600.0,
+        cores: int | None = None,
     ) -> None:
-        config = EngineConfig.from_dict(engine_config)
-        super().__init__(AsyncEngine(LLMEngine(config, launcher)), serve_replica_id())
+        config, claim = claim_replica_cores(EngineConfig.from_dict(engine_config), cores)
+        try:
+            engine = AsyncEngine(LLMEngine(config, launcher), max_waiting_for_room=config.scheduler.max_num_waiting)
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        super().__init__(engine, serve_replica_id(), claim)
         self.colocated = config.scheduler.role is EngineRole.COLOCATED
         self.backend = config.kv_connector.options.get("backend", "shm")
         self.kv_lease_s, self.kv_lease_per_token_s = kv_lease  # base, and per prompt token
@@ -92,7 +99,9 @@ class DecodeServer(EngineReplica):
                     lambda e: e.add_request(request_id, request.prompt_token_ids, params, request.cache_salt)
                 )
             else:
-                ticket = await self._reserve_when_blocks_free(request, params)
+                # A burst waits for blocks in the engine's bounded FIFO, woken as blocks free.
+                reserve = lambda e: self._reserve(e, request, params)  # noqa: E731
+                ticket = await self.engine.call_when_room(reserve, self.reserve_timeout_s)
                 yield TicketIssued(request_id, ticket, self.replica_id)
         except (InvalidRequestError, OverloadedError) as exc:
             self.engine.close_stream(request_id)
@@ -103,19 +112,8 @@ class DecodeServer(EngineReplica):
             self.engine.close_stream(request_id)
             self.engine.abort_soon(request_id)
             raise
-        async for output in self.engine.stream(request_id, outputs, self.item_timeout_s):
-            yield to_delta(output, self.replica_id)
-
-    async def _reserve_when_blocks_free(self, request: ServeRequest, params: SamplingParams) -> dict:
-        """Running requests free blocks as they finish: wait for room (bounded) rather than refuse at once."""
-        deadline = time.monotonic() + self.reserve_timeout_s
-        while True:
-            ticket = await self.engine.call(lambda e: self._reserve(e, request, params))
-            if ticket is not None:
-                return ticket
-            if time.monotonic() > deadline:
-                raise OverloadedError("no decode replica has free KV blocks for this prompt now; retry later")
-            await asyncio.sleep(_RESERVE_POLL_S)
+        async for batch in self.engine.stream(request_id, outputs, self.item_timeout_s):
+            yield to_delta(batch, self.replica_id)
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
         """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""

@@ -8,6 +8,11 @@ The thread steps while there is work and sleeps on the command queue otherwise; 
 hand-offs are open it polls them every ``idle_poll_s`` instead of spinning. A step that raises
 leaves the engine unusable: every open stream ends with the error and ``is_healthy`` turns false,
 so the host can be restarted.
+
+``call_when_room`` is for work that needs KV blocks the engine does not have free yet (a decode
+reservation during a burst): it waits in a bounded FIFO and is tried again, head first, only after
+blocks were freed — no polling — until its deadline; only a full queue or a passed deadline
+refuses it (OverloadedError, which the API answers with 503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -31,12 +36,22 @@ from engine.llm_engine import LLMEngine
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MAX_KV_EVENTS = 4096
+_ROOM_WAIT_MARGIN_S = 5.0
 
 
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue  # bounded by the request's own length: at most one item per engine step
+
+
+@dataclass(slots=True)
+class _RoomWaiter:
+    """A ``call_when_room`` function waiting for free KV blocks (engine thread only)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+    deadline: float  # time.monotonic()
 
 
 @dataclass(slots=True)
@@ -49,9 +64,19 @@ class HandoffWatch:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending_commands: int = 4096, idle_poll_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_pending_commands: int = 4096,
+        idle_poll_s: float = 0.002,
+        max_waiting_for_room: int = 256,
+    ) -> None:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue(maxsize=max_pending_commands)
+        self.max_waiting_for_room = max_waiting_for_room
+        self._room_slots = threading.BoundedSemaphore(max_waiting_for_room)
+        self._room_waiters: collections.deque[_RoomWaiter] = collections.deque()  # engine thread only
+        self._missed: tuple[_RoomWaiter, int] | None = None  # the head that last did not fit, and free blocks then
         self._streams: dict[str, _Stream] = {}
         self._handoffs: dict[str, HandoffWatch] = {}
         self._idle_poll_s = idle_poll_s
@@ -76,6 +101,40 @@ class AsyncEngine:
             raise OverloadedError("the engine's command queue is full; retry later") from None
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
 
+    async def call_when_room(self, fn: Callable[[LLMEngine], T | None], timeout_s: float) -> T:
+        """Run ``fn(engine)`` on the engine thread; while it returns None (no room yet), wait in the
+        FIFO and try again after blocks are freed. Raises OverloadedError when the FIFO is full or
+        ``timeout_s`` passes first; ``fn``'s own exception is re-raised here. A caller that leaves
+        (cancelled) may find ``fn`` already done: it must undo it (the decode replica aborts)."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error}")
+        if not self._room_slots.acquire(blocking=False):
+            raise OverloadedError(
+                f"{self.max_waiting_for_room} requests are already waiting for KV blocks on this replica; retry later"
+            )
+        waiter = _RoomWaiter(fn, concurrent.futures.Future(), time.monotonic() + timeout_s)
+        try:
+            self._commands.put_nowait((lambda e: self._room_waiters.append(waiter), None))
+        except queue.Full:
+            self._room_slots.release()
+            raise OverloadedError("the engine's command queue is full; retry later") from None
+        # From here on only the engine thread frees the place (served, expired, dropped, failed).
+        try:
+            # The engine thread resolves it by its deadline; the margin only guards a thread gone.
+            return await asyncio.wait_for(asyncio.wrap_future(waiter.future), timeout_s + _ROOM_WAIT_MARGIN_S)
+        except asyncio.TimeoutError:
+            waiter.future.cancel()
+            raise OverloadedError("no KV blocks came free in time for this request; retry later") from None
+        except BaseException:
+            # At once, not via asyncio's callback: if the engine thread has not served it yet it
+            # never will, and if it has, the caller's abort (queued after this) undoes it.
+            waiter.future.cancel()
+            raise
+
+    @property
+    def num_waiting_for_room(self) -> int:
+        return len(self._room_waiters)
+
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """Register a request's output queue; call before the request can produce output."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -87,14 +146,18 @@ class AsyncEngine:
 
     async def stream(
         self, request_id: str, outputs: asyncio.Queue, item_timeout_s: float
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; abort it if the consumer goes away first."""
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Yield the request's outputs until it finishes, those already queued together (a consumer
+        slower than the engine's steps catches up in one item, not one per step); abort the request
+        if the consumer goes away first."""
         finished = False
         try:
             while not finished:
-                output: RequestOutput = await asyncio.wait_for(outputs.get(), item_timeout_s)
-                finished = output.finished
-                yield output
+                batch: list[RequestOutput] = [await asyncio.wait_for(outputs.get(), item_timeout_s)]
+                while not batch[-1].finished and not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                finished = batch[-1].finished
+                yield batch
         finally:
             self.close_stream(request_id)
             if not finished:
@@ -138,6 +201,7 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished_requests()
                 if self._run_commands(block=not busy):
                     self._publish()
+                self._serve_room_waiters()
                 if self._stopping.is_set():
                     break
                 if not self.engine.has_unfinished_requests():
@@ -147,15 +211,19 @@ class AsyncEngine:
                 self._publish()  # before the outputs go out: a caller that sees them sees this state
                 self._dispatch(outputs)
                 self._check_handoffs()
+                self._serve_room_waiters()
                 if not outputs and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
                     time.sleep(self._idle_poll_s)  # only hand-offs are open: poll, don't spin
         except BaseException as exc:  # the engine is unusable: fail everyone, loudly
             self.error = f"{type(exc).__name__}: {exc}"
             logger.exception("engine thread failed")
             self._fail_all(self.error)
+            return
+        while self._room_waiters:  # shut down: nobody will serve them
+            self._finish_waiter(self._room_waiters.popleft(), error=RuntimeError("the engine is shutting down"))
 
     def _publish(self) -> None:
-        self.snapshot = load_report(self.engine)
+        self.snapshot = {**load_report(self.engine), "num_waiting_for_blocks": len(self._room_waiters)}
         self.kv_events.extend(self.engine.take_kv_events())  # bounded: the oldest fall off
 
     def _run_commands(self, block: bool) -> int:
@@ -181,6 +249,52 @@ class AsyncEngine:
                 future.set_result(fn(self.engine))
             except Exception as exc:
                 future.set_exception(exc)
+
+    def _serve_room_waiters(self) -> None:
+        """Strict FIFO: the head is tried only when blocks were freed since it last missed, and
+        nobody passes it (a long prompt is not starved by short ones). Waiters past their
+        deadline, or whose caller left, leave the queue wherever they stand."""
+        if not self._room_waiters:
+            return
+        now = time.monotonic()
+        if any(w.deadline < now or w.future.cancelled() for w in self._room_waiters):
+            gone = [w for w in self._room_waiters if w.deadline < now or w.future.cancelled()]
+            self._room_waiters = collections.deque(w for w in self._room_waiters if w not in gone)
+            for waiter in gone:  # after the queue no longer holds them: a woken caller sees it so
+                # (a cancelled one only frees its place: its future cannot be set)
+                self._finish_waiter(
+                    waiter, error=OverloadedError("no KV blocks came free in time for this request; retry later")
+                )
+        while self._room_waiters:
+            free = self.engine.num_free_kv_blocks
+            waiter = self._room_waiters[0]
+            if self._missed is not None and self._missed[0] is waiter and free <= self._missed[1]:
+                return  # nothing was freed since the head last missed: it would miss again
+            if waiter.future.cancelled():  # its caller left: never run fn (see call_when_room)
+                self._room_waiters.popleft()
+                self._room_slots.release()
+                continue
+            try:
+                result = waiter.fn(self.engine)
+            except Exception as exc:
+                self._room_waiters.popleft()
+                self._finish_waiter(waiter, error=exc)
+                continue
+            if result is None:
+                self._missed = (waiter, free)
+                return
+            self._room_waiters.popleft()
+            self._finish_waiter(waiter, result=result)
+        self._missed = None
+
+    def _finish_waiter(self, waiter: _RoomWaiter, result: Any = None, error: BaseException | None = None) -> None:
+        self._room_slots.release()
+        if not waiter.future.set_running_or_notify_cancel():
+            return  # the caller left meanwhile (it aborts whatever fn did)
+        if error is not None:
+            waiter.future.set_exception(error)
+        else:
+            waiter.future.set_result(result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -214,6 +328,8 @@ class AsyncEngine:
         for watch in list(self._handoffs.values()):
             _resolve(watch.loop, watch.future, (None, error))
         self._handoffs.clear()
+        while self._room_waiters:
+            self._finish_waiter(self._room_waiters.popleft(), error=RuntimeError(f"the engine stopped: {error}"))
         while True:
             try:
                 _, future = self._commands.get_nowait()

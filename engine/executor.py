@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
-import os
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import EngineConfig
+from common.cpu_cores import host_cores, pin_process, split_cores
 from common.errors import ConfigError
 from engine.distributed.parallel import TensorParallel, pick_device
 from engine.dtype_probe import resolve_auto_dtype
@@ -63,13 +63,12 @@ class _ProcessHandle(WorkerHandle):
 
 
 class ProcessLauncher(WorkerLauncher):
-    """Shard processes on this host; each is pinned to its own slice of this process's cores."""
+    """Shard processes on this host; each pins itself to its own slice of the instance's cores."""
 
     def launch(self, rank, world_size, init_method, config, model_dir) -> WorkerHandle:
-        cores = shard_cores(rank, world_size, _available_cores())
         process = mp.get_context("spawn").Process(
             target=run_worker,
-            args=(rank, world_size, init_method, config, model_dir, cores),
+            args=(rank, world_size, init_method, config, model_dir, True),
             name=f"pdserve-shard-{rank}",
             daemon=True,
         )
@@ -77,40 +76,36 @@ class ProcessLauncher(WorkerLauncher):
         return _ProcessHandle(process)
 
 
-def shard_cores(rank: int, world_size: int, cores: list[int]) -> list[int]:
-    """The slice of ``cores`` shard ``rank`` owns: disjoint slices while there are enough cores,
-    so the shards of one instance never run their matmuls on each other's cores; with fewer cores
-    than shards, shards share them round-robin."""
-    if len(cores) < world_size:
-        return [cores[rank % len(cores)]] if cores else []
-    return cores[rank * len(cores) // world_size : (rank + 1) * len(cores) // world_size]
+def instance_cores(config: EngineConfig) -> list[int]:
+    """The cores the whole instance runs on: those it was given (a serving replica's claim), else
+    every core this process may use (an offline engine takes the machine)."""
+    return list(config.parallel.cpu_cores or host_cores())
 
 
-def _available_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
-def _threads_per_shard(world_size: int) -> int:
-    return max(1, len(_available_cores()) // world_size)
-
-
-def _pin_to(cores: list[int]) -> None:
-    """Before any torch work in a fresh shard process: its OpenMP threads inherit this affinity."""
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(max(1, len(cores)))
+def use_cores(rank: int, world_size: int, cores: list[int], pin: bool) -> list[int]:
+    """Before any torch work of shard ``rank``: its slice of ``cores``, as its torch/OpenMP thread
+    count and, with ``pin``, as the affinity of its whole process (threads inherit it)."""
+    mine = split_cores(rank, world_size, cores)
+    if pin:
+        pin_process(mine)
+    torch.set_num_threads(max(1, len(mine)))
+    return mine
 
 
 def run_worker(
-    rank: int, world_size: int, init_method: str, config: dict, model_dir: str, cores: list[int] | None = None
+    rank: int, world_size: int, init_method: str, config: dict, model_dir: str, own_process: bool = False
 ) -> None:
-    """Entry point of shard ``rank`` > 0: build the runner, then execute the driver's steps until told to stop."""
+    """Entry point of shard ``rank`` > 0: build the runner, then execute the driver's steps until told to stop.
+
+    Pinned to its slice of the instance's cores when the instance was given cores, or when
+    ``own_process`` (a ProcessLauncher child, whose affinity is its driver's); a host's process
+    (a Ray actor of an unpinned replica) keeps its affinity and only sets its thread count."""
     engine_config = EngineConfig.from_dict(config)
-    if cores:
-        _pin_to(cores)
-    else:
-        torch.set_num_threads(_threads_per_shard(world_size))
     device = pick_device(engine_config.model.device)
+    if device.type == "cpu":
+        use_cores(
+            rank, world_size, instance_cores(engine_config), pin=own_process or bool(engine_config.parallel.cpu_cores)
+        )
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
@@ -169,6 +164,10 @@ class Executor:
             model = dataclasses.replace(config.model, dtype=resolve_auto_dtype(device))
             config = dataclasses.replace(config, model=model)
         self.world_size = config.parallel.tensor_parallel_size
+        if device.type == "cpu" and (self.world_size > 1 or config.parallel.cpu_cores):
+            # The driver shares its process with its host (an offline script, a serving replica):
+            # pinned only to cores given to it, never to a slice of cores it was not given.
+            use_cores(0, self.world_size, instance_cores(config), pin=bool(config.parallel.cpu_cores))
         self.workers: list[WorkerHandle] = []
         self._broken = False  # a step failed midway: shards may be stuck in a collective
         if self.world_size == 1:
@@ -193,7 +192,6 @@ class Executor:
             payload = config.to_dict()
             for rank in range(1, self.world_size):
                 self.workers.append(launcher.launch(rank, self.world_size, init_method, payload, str(model_dir)))
-            torch.set_num_threads(_threads_per_shard(self.world_size))
             if device.type == "cuda":
                 device = torch.device("cuda", 0)
             try:

@@ -67,7 +67,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_preemptions = 0
-        self._finished_outside_step: list[RequestOutput] = []
+        self._outputs_outside_step: list[RequestOutput] = []
         self.handoff = KVHandoff(config.parallel.tensor_parallel_size) if self.executor.has_connector else None
         self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
 
@@ -170,14 +170,14 @@ class LLMEngine:
         self._apply_handoff(self.executor.finish_step(None))
 
     def kv_ready(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
-        """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``."""
+        """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``.
+
+        The first token goes out now, with this step's outputs, not after the request's first decode
+        step: the client's time to first token ends when the KV lands."""
         self.outputs.record_logprob(request_id, first_logprob)
         request = self.scheduler.kv_ready(request_id, first_token_id)
-        if (
-            request is not None and request.is_finished
-        ):  # max_tokens=1 or an end-of-sequence first token: nothing left to decode
-            new_ids, new_text, _ = self.outputs.append_tokens(request_id)
-            self._finished_outside_step.append(self.outputs.build(request_id, new_ids, new_text))
+        if request is not None:  # None: aborted meanwhile
+            self._outputs_outside_step.append(self._emit_new_tokens(request))
 
     def release(self, request_id: str) -> None:
         """Prefill role: the KV hand-off is over (acknowledged or abandoned); free the source blocks."""
@@ -196,7 +196,7 @@ class LLMEngine:
             self._apply_handoff(self.executor.finish_step(None))
         request = self.scheduler.finish_request(request_id, status, error)
         if request is not None and request_id in self.outputs.states:
-            self._finished_outside_step.append(self.outputs.build(request_id))
+            self._outputs_outside_step.append(self.outputs.build(request_id))
 
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -208,7 +208,7 @@ class LLMEngine:
             if self.handoff is not None and (meta["sends"] or meta["forget"] or self.handoff.busy):
                 self.executor.connector_step(meta)
                 self._apply_handoff(self.executor.finish_step(None))
-            return self._take_finished_outside_step()
+            return self._take_outputs_outside_step()
         now = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
@@ -232,25 +232,29 @@ class LLMEngine:
                 self.outputs.record_logprob(request_id, logprob)
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
-            new_ids, new_text, stop_hit = self.outputs.append_tokens(request.request_id)
-            if stop_hit is not None:
-                request.stop_reason = stop_hit
-                if request.is_finished:  # the same token also hit max_tokens or EOS: the stop string wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            output = self.outputs.build(request.request_id, new_ids, new_text)
+            output = self._emit_new_tokens(request)
             if request.status is RequestStatus.FINISHED_PREFILLED:
                 output.kv_block_ids = self.kv.block_ids(request.request_id)
             results.append(output)
         if reports is not None:
             self._apply_handoff(reports)
-        # Outputs finished outside a step (aborts, KV arrivals) leave only once a step succeeded.
-        return self._take_finished_outside_step() + results
+        # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
+        return self._take_outputs_outside_step() + results
 
-    def _take_finished_outside_step(self) -> list[RequestOutput]:
-        finished, self._finished_outside_step = self._finished_outside_step, []
-        return finished
+    def _emit_new_tokens(self, request: Request) -> RequestOutput:
+        """The output of a request's tokens not yet emitted; a stop string among them ends it."""
+        new_ids, new_text, stop_hit = self.outputs.append_tokens(request.request_id)
+        if stop_hit is not None:
+            request.stop_reason = stop_hit
+            if request.is_finished:  # the same token also hit max_tokens or EOS: the stop string wins
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        return self.outputs.build(request.request_id, new_ids, new_text)
+
+    def _take_outputs_outside_step(self) -> list[RequestOutput]:
+        outputs, self._outputs_outside_step = self._outputs_outside_step, []
+        return outputs
 
     def _apply_handoff(self, reports: list[dict]) -> None:
         assert self.handoff is not None
@@ -280,7 +284,7 @@ class LLMEngine:
         """Requests still running or waiting, or KV hand-offs not yet terminal (keep stepping)."""
         return (
             self.scheduler.has_unfinished_requests()
-            or bool(self._finished_outside_step)
+            or bool(self._outputs_outside_step)
             or (self.handoff is not None and self.handoff.busy)
         )
 
@@ -297,6 +301,11 @@ class LLMEngine:
             num_preemptions=self.num_preemptions,
             kv=self.kv.pool.stats(),
         )
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """Blocks an allocation can take now (prefix-cached ones included: they are evictable)."""
+        return self.kv.pool.num_free_blocks
 
     def num_blocks_held(self) -> int:
         """Blocks referenced by requests (prefix-cached free blocks not counted); 0 when idle."""

@@ -6,22 +6,42 @@ their request methods; Serve calls ``record_routing_stats`` and ``check_health``
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections import OrderedDict
 
+from common import env
+from common.config import EngineConfig
+from common.cpu_cores import CoreClaim, claim_cores, format_core_list
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.serving import ReplicaReport
 from engine.async_engine import AsyncEngine
+from engine.distributed.parallel import pick_device
+
+logger = logging.getLogger(__name__)
 
 # Prefix blocks a report names, newest last: what a cache-aware placement policy matches prompts
 # against. Bounded, so a report stays a few kilobytes.
 RECENT_BLOCKS = 256
 
 
+def claim_replica_cores(config: EngineConfig, num_cores: int | None) -> tuple[EngineConfig, CoreClaim | None]:
+    """On CPU, claim ``num_cores`` cores of this host for the replica (before its engine exists, so
+    every shard is pinned from its start); the config then names them. CUDA, or no count: as is."""
+    if num_cores is None or pick_device(config.model.device).type != "cpu":
+        return config, None
+    claim = claim_cores(num_cores, env.core_lock_dir())
+    logger.info("replica owns CPU core(s) %s", format_core_list(claim.cores))
+    parallel = dataclasses.replace(config.parallel, cpu_cores=claim.cores)
+    return dataclasses.replace(config, parallel=parallel), claim
+
+
 class EngineReplica:
-    def __init__(self, engine: AsyncEngine, replica_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, replica_id: str, core_claim: CoreClaim | None = None) -> None:
         self.engine = engine
         self.replica_id = replica_id
+        self.core_claim = core_claim  # held for the replica's life; its locks die with the process
         self.draining = False
         self._recent_blocks: OrderedDict[bytes, None] = OrderedDict()  # touched by the event loop only
 
@@ -48,6 +68,8 @@ class EngineReplica:
             draining=self.draining,
             pid=os.getpid(),
             recent_block_hashes=recent,
+            cpu_cores=list(self.core_claim.cores) if self.core_claim else [],
+            cpu_cores_shared=list(self.core_claim.borrowed) if self.core_claim else [],
             **fields,
         ).to_dict()
 
@@ -65,6 +87,9 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        claim = getattr(self, "core_claim", None)
+        if claim is not None:
+            claim.release()
 
 
 def serve_replica_id() -> str:

@@ -24,7 +24,7 @@ from common.serving import PrefillResult, ServeRequest
 from engine.async_engine import AsyncEngine
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
-from engine.replica import EngineReplica, serve_replica_id
+from engine.replica import EngineReplica, claim_replica_cores, serve_replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,21 @@ class PrefillState(str, enum.Enum):
 
 
 class PrefillServer(EngineReplica):
-    def __init__(self, engine_config: dict, launcher: WorkerLauncher | None = None, timeout_s: float = 600.0) -> None:
-        super().__init__(AsyncEngine(LLMEngine(EngineConfig.from_dict(engine_config), launcher)), serve_replica_id())
+    def __init__(
+        self,
+        engine_config: dict,
+        launcher: WorkerLauncher | None = None,
+        timeout_s: float = 600.0,
+        cores: int | None = None,
+    ) -> None:
+        config, claim = claim_replica_cores(EngineConfig.from_dict(engine_config), cores)
+        try:
+            engine = AsyncEngine(LLMEngine(config, launcher))
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        super().__init__(engine, serve_replica_id(), claim)
         self.timeout_s = timeout_s
         logger.info("prefill replica %s ready", self.replica_id)
 

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 # Spans: pdserve.request ⊃ pdserve.attempt (events: kv_ticket, prefill_done, first_token). A no-op
 # unless the process installs a TracerProvider.
 _tracer = trace.get_tracer("pdserve.router")
+# How long the last delta waits for a prefill reply still missing (its KV landed long before).
+_PREFILL_FACTS_WAIT_S = 5.0
 
 
 class ReplicaLost(Exception):
@@ -153,11 +155,17 @@ class Orchestrator:
                 )
 
     async def _attempt(self, request: ServeRequest, deadline: float, parent: Any) -> AsyncGenerator[StreamDelta, None]:
+        """One attempt. Decode's deltas are passed on as they come: its first token is out the moment
+        the KV lands, not when prefill's reply reaches the router. Prefill's reply only matters
+        before that (a failed hand-off ends the attempt now, not when the lease runs out) and for
+        its facts: the first token's logprob (a request asking for logprobs holds its first delta
+        for it) and the prompt's cache hits (needed by the usage of the last delta)."""
         span = _tracer.start_span("pdserve.attempt", context=trace.set_span_in_context(parent))
         span.set_attribute("pool_request_id", request.request_id)
         stream = self.decode.options(stream=True).generate.remote(request)
         prefill_task: asyncio.Task | None = None
         prefilled: PrefillResult | None = None
+        wants_logprobs = request.sampling.get("logprobs") is not None
         finished = False
         num_yielded = 0
         try:
@@ -174,21 +182,35 @@ class Orchestrator:
             while not finished:
                 next_item = asyncio.ensure_future(self._next(stream, deadline))
                 try:
-                    if prefill_task is not None and not prefill_task.done():
+                    if prefill_task is not None and num_yielded == 0:
+                        # Before the first token, a failed prefill ends the attempt at once.
                         await asyncio.wait({next_item, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-                    if prefill_task is not None and (prefill_task.done() or (num_yielded == 0 and next_item.done())):
-                        # The first delta waits for prefill's answer: it carries the first token's logprob.
-                        await asyncio.wait({prefill_task})
-                        task, prefill_task = prefill_task, None
-                        span.add_event("prefill_done")
-                        prefilled = _check_prefill(task, request.request_id)
+                        if prefill_task.done():  # also when both are: nothing went out yet
+                            task, prefill_task = prefill_task, None
+                            span.add_event("prefill_done")
+                            prefilled = _check_prefill(task, request.request_id)
                     delta = await next_item
                 except BaseException:
                     _discard(next_item)
                     raise
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
+                if prefill_task is not None and num_yielded == 0 and delta.error is not None:
+                    # Decode failed before any token: prefill's verdict says why, if it has one
+                    # (an overloaded prefill pool is a 503, not a failed hand-off).
+                    await asyncio.wait({prefill_task}, timeout=_PREFILL_FACTS_WAIT_S)
+                    task, prefill_task = prefill_task, None
+                    if task.done():
+                        _check_prefill(task, request.request_id)
+                    else:
+                        _discard(task)
                 if num_yielded == 0:
                     span.add_event("first_token", {"decode_replica": delta.replica_id})
+                wants_facts_now = num_yielded == 0 and wants_logprobs  # the first token's logprob
+                if prefill_task is not None and (prefill_task.done() or wants_facts_now or delta.finish_reason):
+                    # Decode sent a token, so the KV has landed: the reply brings facts, not a verdict.
+                    prefilled = await _prefill_facts(prefill_task, request.request_id)
+                    prefill_task = None
+                    span.add_event("prefill_done")
                 if prefilled is not None:
                     delta = _with_prefill_facts(delta, prefilled, num_yielded == 0, request)
                 finished = delta.finish_reason is not None
@@ -247,6 +269,18 @@ def _check_prefill(task: asyncio.Task, request_id: str) -> PrefillResult:
     if result.error is not None:
         raise_for_pool_error(result.error)
         raise AttemptFailed(f"KV hand-off of {request_id} failed: {result.error}")
+    return result
+
+
+async def _prefill_facts(task: asyncio.Task, request_id: str) -> PrefillResult | None:
+    """Prefill's reply once decode already streams: at most a moment away (the replica answers when
+    the hand-off it just finished is acknowledged). A failure or a late reply costs only its facts."""
+    try:
+        result: PrefillResult = await asyncio.wait_for(asyncio.shield(task), _PREFILL_FACTS_WAIT_S)
+    except Exception as exc:  # incl. TimeoutError: the usage then reports no cache hits
+        logger.warning("request %s: prefill's reply lost after its KV landed: %r", request_id, exc)
+        _discard(task)
+        return None
     return result
 
 

@@ -62,7 +62,8 @@ class LeastLoadedPolicy(PlacementPolicy):
     Excludes draining replicas and those whose ``max_model_len`` cannot hold the prompt plus one
     generated token. Decode replicas without enough free KV blocks for the prompt stay eligible but
     rank after every replica that has them: they would have to queue the KV hand-off.
-    Score = ``num_waiting * WAITING_WEIGHT + num_running + num_reserved``; ties go to the lower KV
+    Score = ``(num_waiting + num_waiting_for_blocks) * WAITING_WEIGHT + num_running + num_reserved``
+    (a reservation queued for blocks waits like a queued request); ties go to the lower KV
     usage, then the lower replica id.
     """
 
@@ -96,7 +97,7 @@ class LeastLoadedPolicy(PlacementPolicy):
 
 
 def _load(r: ReplicaReport) -> int:
-    return r.num_waiting * WAITING_WEIGHT + r.num_running + r.num_reserved
+    return (r.num_waiting + r.num_waiting_for_blocks) * WAITING_WEIGHT + r.num_running + r.num_reserved
 
 
 def _why_none(request: PlacementRequest, replicas: Sequence[ReplicaReport]) -> str:

@@ -40,7 +40,7 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         """The report as placement sees it: requests sent since it was taken count as waiting."""
         report = self._report(replica)
         in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        known = report.num_running + report.num_waiting + report.num_reserved
+        known = report.num_running + report.num_waiting + report.num_reserved + report.num_waiting_for_blocks
         if in_flight > known:
             report = ReplicaReport.from_dict(
                 {**report.to_dict(), "num_waiting": report.num_waiting + in_flight - known}

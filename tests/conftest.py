@@ -12,6 +12,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # dtype=auto may pick bfloat16 on a CPU with AMX; the oracle tests compare in float32 everywhere.
 os.environ.setdefault("PDSERVE_CPU_AUTO_DTYPE", "float32")
+# The suite's replicas claim cores among themselves, not against a cluster running beside it.
+os.environ.setdefault("PDSERVE_CORE_LOCK_DIR", f"/tmp/pdserve-test-cores-{os.getpid()}")
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ def test_a_short_sweep_writes_results_plots_and_the_command(tmp_path):
         [
             "--config", "colocated:mode=colocated",
             "--workload", "fixed:24,6", "--scale", "1",
-            "--num-requests", "6",
+            "--num-requests", "6", "--warmup", "2",
             "--rates", "1,2",
             "--profile", str(profile),
             "--out", str(tmp_path / "run"),

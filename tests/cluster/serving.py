@@ -47,7 +47,8 @@ class LocalCluster:
 
     def ensure(self, **overrides: Any) -> ClusterConfig:
         """Deploy the config (BASE + overrides) unless it is the one running."""
-        config = load_cluster_config(None, {**BASE, **overrides, "port": self.port})
+        # As `pdserve serve` deploys it: each replica owns its share of the host's cores.
+        config = app.with_resolved_cores(load_cluster_config(None, {**BASE, **overrides, "port": self.port}))
         if config == self.config:
             return config
         started = time.monotonic()
@@ -91,7 +92,12 @@ class LocalCluster:
             status = self.status()
             reports = [r for pool in status["pools"].values() for r in pool]
             busy = status["in_flight"] or any(
-                r["num_blocks_held"] or r["num_running"] or r["num_waiting"] or r["num_reserved"] for r in reports
+                r["num_blocks_held"]
+                or r["num_running"]
+                or r["num_waiting"]
+                or r["num_reserved"]
+                or r.get("num_waiting_for_blocks")
+                for r in reports
             )
             if not busy and len(status["pools"]) == len(self.config.pools()):
                 return status

@@ -40,7 +40,11 @@ def test_a_bad_config_key_is_named_with_the_fix(tmp_path):
 def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
     before = _ray_pids()
     port = free_port()
-    env = {**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "state.json")}
+    env = {
+        **os.environ,
+        "PDSERVE_STATE_FILE": str(tmp_path / "state.json"),
+        "PDSERVE_CORE_LOCK_DIR": str(tmp_path / "cores"),
+    }
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--kv-cache-memory", str(32 * 2**20)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -61,6 +65,14 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
         assert status.returncode == 0, status.stderr
         pools = json.loads(status.stdout)["pools"]
         assert len(pools["prefill"]) == 1 and len(pools["decode"]) == 1
+        # The default split: each pool owns its cores, none shared, and its process runs on them only.
+        prefill_cores, decode_cores = set(pools["prefill"][0]["cpu_cores"]), set(pools["decode"][0]["cpu_cores"])
+        assert prefill_cores and decode_cores and not prefill_cores & decode_cores
+        assert prefill_cores | decode_cores <= os.sched_getaffinity(0)
+        for report in pools["prefill"] + pools["decode"]:
+            assert os.sched_getaffinity(report["pid"]) == set(report["cpu_cores"]) and not report["cpu_cores_shared"]
+        table = _pdserve("status", env=env)
+        assert table.returncode == 0 and "cores" in table.stdout.splitlines()[1], table.stdout
 
         scaled = _pdserve("scale", "decode=2", env=env, timeout=600)
         assert scaled.returncode == 0, scaled.stderr[-3000:]

@@ -25,7 +25,7 @@ def test_defaults():
     assert config.pools() == ["prefill", "decode"]
     assert config.transport == "shm"
     assert config.port == 8000
-    assert config.kv_cache_memory == 256 * 2**20
+    assert config.kv_cache_memory is None  # resolved from the host's free memory at deploy (cluster.app)
     assert config.prefill == PoolConfig(replicas=1, tensor_parallel_size=1, max_num_waiting=256)
     assert config.router == RouterConfig(placement_policy="least_loaded", kv_lease_s=30.0, max_retries=1)
     assert config.served_name == "SmolLM2-135M-Instruct"
@@ -259,3 +259,48 @@ def test_round_trip_through_plain_dict():
     assert ClusterConfig.from_dict(ClusterConfig().to_dict()) == ClusterConfig()
     with pytest.raises(ConfigError, match=r"unknown key 'router\.policy'"):
         ClusterConfig.from_dict({"router": {"policy": "x"}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "host", "expected"),
+    [
+        ({}, 2, {"prefill": 1, "decode": 1}),
+        ({}, 16, {"prefill": 8, "decode": 8}),
+        ({}, 7, {"prefill": 3, "decode": 4}),  # decode gets the odd core
+        ({"decode.replicas": 2}, 8, {"prefill": 4, "decode": 2}),
+        ({"prefill.cores": 2}, 8, {"prefill": 2, "decode": 6}),  # decode takes what prefill leaves
+        ({"decode.tensor_parallel_size": 2}, 2, {"prefill": 1, "decode": 2}),  # a shard needs a core
+        ({"mode": "colocated"}, 2, {"colocated": 2}),
+        ({"mode": "colocated", "colocated.replicas": 2}, 6, {"colocated": 3}),
+    ],
+)
+def test_a_local_cpu_cluster_splits_the_hosts_cores_between_pools(overrides, host, expected):
+    from cluster.app import with_resolved_cores
+
+    config = with_resolved_cores(load_cluster_config(overrides={"device": "cpu", **overrides}), host)
+    assert {pool: config.pool(pool).cores for pool in config.pools()} == expected
+
+
+def test_oversubscribed_cores_are_logged_and_remote_clusters_left_alone(caplog):
+    from cluster.app import with_resolved_cores
+
+    config = load_cluster_config(overrides={"device": "cpu", "prefill.replicas": 2, "decode.replicas": 2})
+    with caplog.at_level("WARNING", logger="cluster.app"):
+        resolved = with_resolved_cores(config, 2)
+    assert resolved.prefill.cores == 1 and resolved.decode.cores == 1
+    assert "ask for 4 cores" in caplog.text and "host with 2" in caplog.text
+    remote = load_cluster_config(overrides={"device": "cpu", "ray_address": "ray://head:10001"})
+    assert with_resolved_cores(remote, 8) is remote
+    with pytest.raises(ConfigError, match=r"^decode\.cores=1 is fewer than tensor_parallel_size=2"):
+        load_cluster_config(overrides={"decode.cores": 1, "decode.tensor_parallel_size": 2})
+
+
+def test_the_default_kv_budget_is_a_share_of_free_memory_split_between_shards(monkeypatch):
+    from cluster import app
+
+    monkeypatch.setattr(app, "available_bytes", lambda: 10 * 2**30)
+    config = app.with_resolved_kv_budget(load_cluster_config(overrides={"device": "cpu", "decode.replicas": 3}))
+    assert config.kv_cache_memory == int(0.2 * 10 * 2**30 / 4)  # 1 prefill + 3 decode shards
+    explicit = load_cluster_config(overrides={"device": "cpu", "kv_cache_memory": 0.5})
+    assert app.with_resolved_kv_budget(explicit) is explicit
+    assert load_cluster_config().engine_config("decode").cache.kv_cache_memory == 0.2  # unresolved: per instance

@@ -135,6 +135,42 @@ def test_32_concurrent_streams_each_get_their_own_tokens(cluster, expected):
     cluster.wait_idle()
 
 
+def test_a_burst_of_64_waits_for_kv_blocks_and_ends_with_no_error_and_nothing_leaked(cluster, expected):
+    # 32 MiB a shard holds ~45 blocks of SmolLM2 in float32; 64 requests want ~130 at once, so most
+    # decode reservations wait in the replica's FIFO for blocks to free instead of being refused.
+    cluster.ensure(**DISAGG, transport="shm")
+    prompts = [f"{p} (burst {i})" for i in range(16) for p in PROMPTS[:4]]
+    api = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    most_waiting = 0
+
+    async def one(prompt: str) -> str:
+        chunks = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def watch(done: asyncio.Event) -> None:
+        nonlocal most_waiting
+        while not done.is_set():
+            status = await asyncio.to_thread(cluster.status)
+            waiting = sum(r["num_waiting_for_blocks"] for r in status["pools"].get("decode", []))
+            most_waiting = max(most_waiting, waiting)
+            await asyncio.sleep(0.2)
+
+    async def burst() -> list[str]:
+        done = asyncio.Event()
+        watcher = asyncio.ensure_future(watch(done))
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            done.set()
+            await watcher
+
+    texts = asyncio.run(burst())  # any 503 or error event raises here
+    want = {p: expected(p, 8) for p in set(prompts)}
+    assert texts == [want[p] for p in prompts]
+    assert most_waiting > 0, "the burst never queued for KV blocks: the test did not test the queue"
+    cluster.wait_idle()  # no blocks held, nothing running, waiting or reserved on any replica
+
+
 def test_errors_come_back_in_openai_format_and_leak_nothing(cluster):
     cluster.ensure(**DISAGG, transport="shm")
     url = cluster.url + "/v1/completions"

@@ -26,9 +26,9 @@ async def _generate(host: EngineReplica, request_id: str, prompt: list[int], par
     outputs = host.engine.open_stream(request_id)
     await host.engine.call(lambda e: e.add_request(request_id, prompt, params))
     got = []
-    async for output in host.engine.stream(request_id, outputs, item_timeout_s=60):
-        got.append(output)
-        if take is not None and len(got) == take:
+    async for batch in host.engine.stream(request_id, outputs, item_timeout_s=60):
+        got.extend(batch)
+        if take is not None and len(got) >= take:
             break  # the consumer goes away: the request must be aborted
     return got
 
@@ -80,9 +80,32 @@ def test_a_failed_step_ends_every_open_stream_with_the_error(replica):
             engine.add_request("x", list(range(10, 20)), params)
 
         await replica.engine.call(add)
-        return [o async for o in replica.engine.stream("x", outputs, item_timeout_s=30)]
+        return [o async for batch in replica.engine.stream("x", outputs, item_timeout_s=30) for o in batch]
 
     outputs = asyncio.run(run())
     assert outputs[-1].finished and "injected step failure" in outputs[-1].error
     with pytest.raises(RuntimeError, match="engine failed"):
         replica.check_health()
+
+
+def test_a_slow_consumer_gets_the_outputs_queued_meanwhile_in_one_item(replica):
+    from decode_pool.server import to_delta
+
+    async def run():
+        outputs = replica.engine.open_stream("slow")
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        await replica.engine.call(lambda e: e.add_request("slow", list(range(10, 30)), params))
+        batches = []
+        async for batch in replica.engine.stream("slow", outputs, item_timeout_s=60):
+            batches.append(batch)
+            await asyncio.sleep(0.2)  # far slower than the tiny model's steps
+        return batches
+
+    batches = asyncio.run(run())
+    assert len(batches) < 12 and any(len(batch) > 1 for batch in batches)
+    assert [o.finished for batch in batches for o in batch] == [False] * (sum(map(len, batches)) - 1) + [True]
+    deltas = [to_delta(batch, "r0") for batch in batches]
+    final = batches[-1][-1].outputs[0]
+    assert [t for d in deltas for t in d.new_token_ids] == final.token_ids and len(final.token_ids) == 12
+    assert "".join(d.new_text for d in deltas) == final.text
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])

@@ -90,6 +90,40 @@ def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backe
         decode.shutdown()
 
 
+def test_the_first_token_leaves_decode_when_the_kv_lands_before_any_decode_step(smol_dir, hf_smol, hf_reference):
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    forward_passes: list[int] = []
+    execute = decode.executor.execute
+    decode.executor.execute = lambda *args, **kwargs: forward_passes.append(1) or execute(*args, **kwargs)
+    try:
+        ids = prefill.tokenizer.encode(PROMPTS[1])
+        expected = hf_reference(hf_smol, ids, 4)
+        params = SamplingParams(temperature=0, max_tokens=4)
+        block_ids = decode.reserve("r", ids, params)
+        ticket = make_ticket(
+            "r", "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
+        ).to_dict()
+        decode.expect_kv("r", ticket)
+        prefill.add_request("r", ids, params, kv_ticket=ticket)
+        first = []
+        for _ in range(500):
+            prefill.step()
+            first = [o for o in decode.step() if o.request_id == "r"]
+            if first:
+                break
+        # Emitted by the step that saw the KV land, with no decode forward pass of its own.
+        assert [o.outputs[0].new_token_ids for o in first] == [expected[:1]]
+        assert forward_passes == [] and not first[0].finished
+        finished = drive(prefill, decode)
+        assert finished["r"].outputs[0].token_ids == expected
+        assert len(forward_passes) == 3  # tokens 2..4
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
     prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
     decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)

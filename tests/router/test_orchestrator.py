@@ -258,6 +258,92 @@ def test_the_first_tokens_logprob_and_cache_hits_come_from_prefill():
     assert all(d.num_cached_tokens == 16 for d in deltas)
 
 
+class HeldResponse(FakeResponse):
+    """A prefill reply that arrives only when the test releases it."""
+
+    def __init__(self, outcome, release: asyncio.Event) -> None:
+        super().__init__(outcome)
+        self.release = release
+
+    def __await__(self):
+        async def resolve():
+            await self.release.wait()
+            return self.outcome
+
+        return resolve().__await__()
+
+
+def test_decode_deltas_stream_before_prefills_reply_whose_facts_reach_the_last_delta():
+    async def scenario():
+        release = asyncio.Event()
+        prefill = FakePrefill([])
+        prefill.remote = lambda request: (
+            prefill.requests.append(request) or HeldResponse(PrefillResult(request.request_id, TOKENS[0], 16), release)
+        )
+        orchestrator = Orchestrator(FakeDecode([{}]), prefill)
+        deltas = orchestrator.run("req", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+        got = [await deltas.__anext__() for _ in range(3)]  # prefill has not answered yet
+        release.set()
+        got += [d async for d in deltas]
+        return got
+
+    deltas = asyncio.run(scenario())
+    assert tokens(deltas) == TOKENS[:4]
+    assert [d.num_cached_tokens for d in deltas[:3]] == [0, 0, 0] and deltas[-1].num_cached_tokens == 16
+
+
+def test_a_request_asking_for_logprobs_holds_its_first_delta_for_prefills_reply():
+    from common.outputs import TokenLogprob
+
+    first = TokenLogprob(TOKENS[0], -0.5)
+
+    async def scenario():
+        release = asyncio.Event()
+        prefill = FakePrefill([])
+        prefill.remote = lambda request: HeldResponse(
+            PrefillResult(request.request_id, TOKENS[0], 0, first_logprob=first), release
+        )
+        deltas = Orchestrator(FakeDecode([{}]), prefill).run(
+            "req", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, logprobs=0)
+        )
+        pending = asyncio.ensure_future(deltas.__anext__())
+        await asyncio.sleep(0.05)
+        held = not pending.done()
+        release.set()
+        return held, [await pending] + [d async for d in deltas]
+
+    held, deltas = asyncio.run(scenario())
+    assert held and deltas[0].logprobs[0] == first
+
+
+def test_decode_failing_before_its_first_token_takes_prefills_verdict():
+    class TicketThenError(FakeDecode):
+        def remote(self, request):
+            stream = super().remote(request)
+
+            async def items():
+                yield TicketIssued(request.request_id, {"request_id": request.request_id}, "d0")
+                yield StreamDelta(request.request_id, [], "", finish_reason="error", error="KV transfer failed: lease")
+
+            stream._items = items()
+            return stream
+
+    class SlowResponse(FakeResponse):  # prefill answers after decode already failed
+        def __await__(self):
+            async def resolve():
+                await asyncio.sleep(0.05)
+                return self.outcome
+
+            return resolve().__await__()
+
+    prefill = FakePrefill([])
+    prefill.remote = lambda request: SlowResponse(
+        PrefillResult(request.request_id, None, 0, "overloaded: 256 requests are already waiting")
+    )
+    with pytest.raises(OverloadedError, match="already waiting"):  # a 503, not a failed hand-off
+        run(Orchestrator(TicketThenError([{}]), prefill, max_retries=0), GREEDY)
+
+
 def test_serve_back_pressure_is_a_503_and_other_pool_errors_are_retried():
     from ray.serve.exceptions import BackPressureError
 
