@@ -224,9 +224,9 @@ def build_app(config: ClusterConfig):
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
-    """Start Ray (if needed) and Serve on host:port, deploy the app; returns the start-up seconds."""
+    """Start Ray (if needed) and Serve on host:port, deploy the app; returns the start-up seconds.
+    ``config`` as ``resolved`` returns it (what ``serve`` records), or as the caller wants it."""
     started = time.monotonic()
-    config = resolved(config)
     start_ray(config)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
