@@ -95,7 +95,7 @@ def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None
         return config
     total = num_host_cores or len(host_cores())
     changes: dict[str, PoolConfig] = {}
-    fixed = {p: config.pool(p).cores * config.pool(p).replicas for p in config.pools() if config.pool(p).cores}
+    fixed = _cores_wanted(config)
     if config.mode == "colocated":
         shares = {"colocated": total}
     else:
@@ -114,8 +114,13 @@ def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None
     return config
 
 
+def _cores_wanted(config: ClusterConfig) -> dict[str, int]:
+    """Pool -> cores its replicas ask for, for the pools that set ``cores``."""
+    return {p: config.pool(p).cores * config.pool(p).replicas for p in config.pools() if config.pool(p).cores}
+
+
 def check_cores(config: ClusterConfig, num_host_cores: int) -> None:
-    wanted = {p: config.pool(p).cores * config.pool(p).replicas for p in config.pools() if config.pool(p).cores}
+    wanted = _cores_wanted(config)
     summary = ", ".join(f"{p} {config.pool(p).replicas} x {config.pool(p).cores}" for p in wanted)
     if sum(wanted.values()) > num_host_cores:
         logger.warning(

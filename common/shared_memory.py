@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 _ids = itertools.count(1)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; 0 elsewhere: pages come at first touch
 _lock = threading.Lock()
 _regions: dict[int, SharedRegion] = {}
 
@@ -41,7 +41,7 @@ def create_shared_region(nbytes: int, label: str = "pdserve-kv", populate: bool 
     fd = os.memfd_create(label, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+        flags = mmap.MAP_SHARED | (MAP_POPULATE if populate else 0)
         buffer = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

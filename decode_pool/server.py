@@ -23,10 +23,9 @@ from common.errors import InvalidRequestError, OverloadedError
 from common.outputs import RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
-from engine.async_engine import AsyncEngine
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
-from engine.replica import EngineReplica, claim_replica_cores, serve_replica_id
+from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
 from kv_transfer import make_ticket
 
 logger = logging.getLogger(__name__)
@@ -70,13 +69,9 @@ class DecodeServer(EngineReplica):
         item_timeout_s: float = 600.0,
         cores: int | None = None,
     ) -> None:
-        config, claim = claim_replica_cores(EngineConfig.from_dict(engine_config), cores)
-        try:
-            engine = AsyncEngine(LLMEngine(config, launcher), max_waiting_for_room=config.scheduler.max_num_waiting)
-        except BaseException:
-            if claim is not None:
-                claim.release()
-            raise
+        config = EngineConfig.from_dict(engine_config)
+        limit = config.scheduler.max_num_waiting
+        engine, claim = start_replica_engine(config, launcher, cores, max_waiting_for_room=limit)
         super().__init__(engine, serve_replica_id(), claim)
         self.colocated = config.scheduler.role is EngineRole.COLOCATED
         self.backend = config.kv_connector.options.get("backend", "shm")

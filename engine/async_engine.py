@@ -257,9 +257,11 @@ class AsyncEngine:
         if not self._room_waiters:
             return
         now = time.monotonic()
-        if any(w.deadline < now or w.future.cancelled() for w in self._room_waiters):
-            gone = [w for w in self._room_waiters if w.deadline < now or w.future.cancelled()]
-            self._room_waiters = collections.deque(w for w in self._room_waiters if w not in gone)
+        gone = [w for w in self._room_waiters if w.deadline < now or w.future.cancelled()]
+        if gone:
+            self._room_waiters = collections.deque(
+                w for w in self._room_waiters if w.deadline >= now and not w.future.cancelled()
+            )
             for waiter in gone:  # after the queue no longer holds them: a woken caller sees it so
                 # (a cancelled one only frees its place: its future cannot be set)
                 self._finish_waiter(

@@ -11,9 +11,9 @@ import mmap
 
 import torch
 
-from common.shared_memory import SharedRegion, close_shared_region, create_shared_region
+from common.shared_memory import MAP_POPULATE, SharedRegion, close_shared_region, create_shared_region
 
-_PRIVATE_POPULATED = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+_PRIVATE_POPULATED = mmap.MAP_PRIVATE | MAP_POPULATE
 
 
 def allocate_kv_caches(

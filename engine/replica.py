@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
+from typing import Any
 
 from common import env
 from common.config import EngineConfig
@@ -18,6 +19,8 @@ from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.serving import ReplicaReport
 from engine.async_engine import AsyncEngine
 from engine.distributed.parallel import pick_device
+from engine.executor import WorkerLauncher
+from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,20 @@ def claim_replica_cores(config: EngineConfig, num_cores: int | None) -> tuple[En
     logger.info("replica owns CPU core(s) %s", format_core_list(claim.cores))
     parallel = dataclasses.replace(config.parallel, cpu_cores=claim.cores)
     return dataclasses.replace(config, parallel=parallel), claim
+
+
+def start_replica_engine(
+    config: EngineConfig, launcher: WorkerLauncher | None, num_cores: int | None, **options: Any
+) -> tuple[AsyncEngine, CoreClaim | None]:
+    """The replica's engine on its thread, on the cores claimed for it; the claim is given back if
+    the engine cannot start. ``options`` go to AsyncEngine."""
+    config, claim = claim_replica_cores(config, num_cores)
+    try:
+        return AsyncEngine(LLMEngine(config, launcher), **options), claim
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
 
 
 class EngineReplica:

@@ -21,10 +21,9 @@ from common.config import EngineConfig
 from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest
-from engine.async_engine import AsyncEngine
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
-from engine.replica import EngineReplica, claim_replica_cores, serve_replica_id
+from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +45,7 @@ class PrefillServer(EngineReplica):
         timeout_s: float = 600.0,
         cores: int | None = None,
     ) -> None:
-        config, claim = claim_replica_cores(EngineConfig.from_dict(engine_config), cores)
-        try:
-            engine = AsyncEngine(LLMEngine(config, launcher))
-        except BaseException:
-            if claim is not None:
-                claim.release()
-            raise
+        engine, claim = start_replica_engine(EngineConfig.from_dict(engine_config), launcher, cores)
         super().__init__(engine, serve_replica_id(), claim)
         self.timeout_s = timeout_s
         logger.info("prefill replica %s ready", self.replica_id)
