@@ -25,6 +25,12 @@ def run_state_file() -> Path:
     return Path(configured).expanduser() if configured else cache_dir() / "run" / "cluster.json"
 
 
+def direct_ingress_enabled() -> bool:
+    """PDSERVE_DIRECT_INGRESS=0: a local cluster's clients come through Serve's HTTP proxy, as on a
+    joined Ray cluster, instead of to the router replica's own HTTP server."""
+    return os.environ.get("PDSERVE_DIRECT_INGRESS", "1") not in ("0", "false", "no", "off")
+
+
 def cpu_kernels_enabled() -> bool:
     """PDSERVE_CPU_KERNELS=0 keeps the engine on plain torch ops (the compiled CPU kernels are off)."""
     return os.environ.get("PDSERVE_CPU_KERNELS", "1") not in ("0", "false", "no", "off")

@@ -66,12 +66,14 @@ class HandoffWatch:
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Callable[[], LLMEngine],
         max_pending_commands: int = 4096,
         idle_poll_s: float = 0.002,
         max_waiting_for_room: int = 256,
     ) -> None:
-        self.engine = engine
+        """``engine``, or a function that builds it: then it is built on the engine thread (and
+        this waits for it), so one thread of the process runs all its parallel tensor work — the
+        model load included — and owns the only OpenMP team (see common.openmp)."""
         self._commands: queue.Queue = queue.Queue(maxsize=max_pending_commands)
         self.max_waiting_for_room = max_waiting_for_room
         self._room_slots = threading.BoundedSemaphore(max_waiting_for_room)
@@ -83,11 +85,18 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.error: str | None = None  # why the engine thread stopped, if it failed
         self.num_steps = 0
-        # Published by the engine thread after every step, so a report never waits for a long step.
-        self.snapshot: dict[str, Any] = load_report(engine)
         self.kv_events: collections.deque = collections.deque(maxlen=_MAX_KV_EVENTS)
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self.engine: LLMEngine
+        # Published by the engine thread after every step, so a report never waits for a long step.
+        self.snapshot: dict[str, Any]
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="pdserve-engine", daemon=True)
         self._thread.start()
+        try:
+            built.result()
+        except BaseException:
+            self._thread.join()  # it returns right after failing the build
+            raise
 
     # --- called from coroutines --------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 60.0) -> T:
@@ -195,7 +204,14 @@ class AsyncEngine:
         self.engine.shutdown()
 
     # --- the engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            self.engine = build if isinstance(build, LLMEngine) else build()
+            self.snapshot = load_report(self.engine)
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(None)
         try:
             while not self._stopping.is_set():
                 busy = self.engine.has_unfinished_requests()

@@ -47,7 +47,7 @@ def start_replica_engine(
     the engine cannot start. ``options`` go to AsyncEngine."""
     config, claim = claim_replica_cores(config, num_cores)
     try:
-        return AsyncEngine(LLMEngine(config, launcher), **options), claim
+        return AsyncEngine(lambda: LLMEngine(config, launcher), **options), claim
     except BaseException:
         if claim is not None:
             claim.release()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from common.kv_layout import KVCacheLayout
+from common.openmp import run_tensor_ops_serially
 from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, gather_plan, plan_block_copy, stacked_layers
 from kv_transfer.protocol import MAX_DIRECT_PIECES, MAX_DIRECT_RUNS, ChunkHeader, checksum, encode_header
 from kv_transfer.resharding import segments_from
@@ -173,6 +174,7 @@ class KVSender:
                 self._fail(out, f"send queue still full after {timeout:.1f} s")
 
     def _run(self) -> None:
+        run_tensor_ops_serially()  # the engine thread owns the process's OpenMP team
         held = _NOTHING  # an item taken off the queue while gathering a batch, handled next
         while not self._stopping:
             if held is _NOTHING:

@@ -180,19 +180,21 @@ class Orchestrator:
                 num_yielded += 1
                 yield first
             while not finished:
-                next_item = asyncio.ensure_future(self._next(stream, deadline))
-                try:
-                    if prefill_task is not None and num_yielded == 0:
+                if prefill_task is not None and num_yielded == 0:
+                    next_item = asyncio.ensure_future(self._next(stream, deadline))
+                    try:
                         # Before the first token, a failed prefill ends the attempt at once.
                         await asyncio.wait({next_item, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
                         if prefill_task.done():  # also when both are: nothing went out yet
                             task, prefill_task = prefill_task, None
                             span.add_event("prefill_done")
                             prefilled = _check_prefill(task, request.request_id)
-                    delta = await next_item
-                except BaseException:
-                    _discard(next_item)
-                    raise
+                        delta = await next_item
+                    except BaseException:
+                        _discard(next_item)
+                        raise
+                else:  # the common case, once per token: no task of its own
+                    delta = await self._next(stream, deadline)
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
                 if prefill_task is not None and num_yielded == 0 and delta.error is not None:
                     # Decode failed before any token: prefill's verdict says why, if it has one

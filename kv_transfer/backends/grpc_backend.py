@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from common.openmp import run_tensor_ops_serially
 from kv_transfer.receiver import KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 from protos import kv_transfer_pb2
@@ -347,7 +348,10 @@ class GrpcTransport(KVTransport):
         The server runs until ``shutdown`` or until this transport is garbage-collected: hold it.
         """
         server = grpc.server(
-            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="kv-grpc"),
+            # Its threads land KV: the engine thread owns the process's OpenMP team.
+            ThreadPoolExecutor(
+                max_workers=self.max_workers, thread_name_prefix="kv-grpc", initializer=run_tensor_ops_serially
+            ),
             options=_channel_options(self.piece_bytes),
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
         )

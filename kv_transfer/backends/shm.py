@@ -38,6 +38,7 @@ from collections import deque
 import msgpack
 import torch
 
+from common.openmp import run_tensor_ops_serially
 from common.shared_memory import (
     SharedRegion,
     close_shared_region,
@@ -121,6 +122,7 @@ class _Connection(threading.Thread):
         self.tensors: dict[int, torch.Tensor] = {}
 
     def run(self) -> None:
+        run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         self.sock.settimeout(self.idle_timeout_s)
         reader = _Reader(self.sock)
         try:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
+from common.openmp import run_tensor_ops_serially
 from kv_transfer.receiver import DirectWrite, KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 
@@ -261,6 +262,7 @@ class _Endpoint:
         conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         try:
             buffer = bytearray(0)  # reused: apply() has copied the payload out when it returns
             while not self.stopped.is_set():

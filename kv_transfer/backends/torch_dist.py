@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import ConfigError
+from common.openmp import run_tensor_ops_serially
 from kv_transfer.protocol import MAX_DIRECT_PIECES
 from kv_transfer.receiver import KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
@@ -289,6 +290,7 @@ class _Endpoint:
             thread.start()
 
     def _pair_loop(self, pair_id: int) -> None:
+        run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         pair = None
         try:
             # The group keeps its own client of the store, so shutdown can close the listener under it.

@@ -53,10 +53,10 @@ class LocalCluster:
             return config
         started = time.monotonic()
         if not self.started:
-            app.start_ray(config)
-            from ray import serve
-
-            serve.start(http_options={"host": config.host, "port": self.port})
+            # Serve's proxy in front: the tests redeploy configs that replace the router, which
+            # direct ingress cannot do on one port (test_direct_ingress runs `pdserve serve` as is).
+            app.start_ray(config, direct_ingress=False)
+            app.start_serve(config)
             self.started = True
         self.deploy(config)
         self.startup_s[json.dumps(overrides, sort_keys=True)] = time.monotonic() - started

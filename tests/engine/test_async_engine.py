@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -109,3 +110,32 @@ def test_a_slow_consumer_gets_the_outputs_queued_meanwhile_in_one_item(replica):
     assert [t for d in deltas for t in d.new_token_ids] == final.token_ids and len(final.token_ids) == 12
     assert "".join(d.new_text for d in deltas) == final.text
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_an_engine_built_by_a_factory_is_built_and_stepped_on_the_engine_thread(tiny_dir):
+    """The model load's parallel work and the steps share one thread, so the process has one
+    OpenMP team (common.openmp)."""
+    config = EngineConfig(model=ModelConfig(model=str(tiny_dir)), cache=CacheConfig(kv_cache_memory=8 * 2**20))
+    built_on = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(config)
+
+    host = EngineReplica(AsyncEngine(build), "r0")
+    try:
+        assert built_on == [host.engine._thread] and host.engine._thread is not threading.current_thread()
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        outputs = asyncio.run(_generate(host, "f", list(range(10, 30)), params))
+        assert sum(len(o.outputs[0].new_token_ids) for o in outputs) == 3
+    finally:
+        host.engine.shutdown()
+
+
+def test_a_factory_that_fails_fails_the_constructor_and_leaves_no_engine_thread():
+    def build() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build)
+    assert "pdserve-engine" not in {t.name for t in threading.enumerate()}
