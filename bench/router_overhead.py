@@ -57,7 +57,7 @@ from bench.common import print_table, write_json
 from bench.load_client import LoadResult, run_load
 from bench.server_process import free_port
 from bench.workloads import WorkloadRequest, arrival_times
-from cluster.app import SERVE_PROCESS_ENV
+from common.env import SERVE_PROCESS_ENV
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ReplicaReport, ServeRequest, StreamDelta, TicketIssued
 from engine.model_loader import DEFAULT_MODEL_NAME, resolve_model_dir
@@ -232,8 +232,9 @@ def start(port: int, mode: str, token_interval_s: float = 0.0) -> None:
     """Ray (owned by this process, as cluster.app.start_ray starts it) and Serve with both apps."""
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process; the benchmark starts (and stops) its own")
-    for name, value in SERVE_PROCESS_ENV.items():  # as a local cluster's
+    for name, value in SERVE_PROCESS_ENV.items():  # as a local cluster's, Serve's proxy in front
         os.environ.setdefault(name, value)
+    os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, namespace="pdserve-bench", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

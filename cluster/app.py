@@ -43,32 +43,18 @@ APP_NAME = "pdserve"
 _ROUTER_CLASS = "router.serve_routing:PolicyRequestRouter"
 
 
-# The environment of a local cluster's Ray processes, read by them at start-up (a user's own
-# setting of any of them wins). Every streamed token crosses Serve's hops, and on CPU each hop's
-# work is taken from the engine's cores: a 64-request burst (64 × 256/64) ran at 56% of the
-# offline engine's rate with Serve's defaults.
-SERVE_PROCESS_ENV = {
-    # Ray starts its workers at nice 15; the replicas are the server, not background work: at the
-    # default 15 any process on the host (a load client, a build) takes their cores first.
-    "RAY_worker_niceness": "0",
-    # Serve's throughput settings: gRPC between deployments, user code on each replica's own event
-    # loop, access logs written in batches, the GC frozen after start-up. Measured with `pdserve
-    # bench router` (null pools, 64 tokens a request): CPU per token 0.75 -> 0.37 ms in the pool
-    # replica, 1.7 -> 1.2 ms in the router. Logs still go to stderr.
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_LOG_TO_STDERR": "1",
-}
-
-
 def direct_ingress_env(port: int) -> dict[str, str]:
     """Serve's direct ingress on ``port``: the router replica runs the HTTP server itself, so a token
     leaves it for the client without a further hop through Serve's proxy (~0.8 ms of CPU per token
     in the proxy, plus the router's side of that hop). Serve hands an ingress replica a port from
     [MIN, MAX): this range holds the configured port alone. Serve holds a released port back for
     a load balancer in front to forget it, and keeps a stopping replica open for it: with none in
-    front, both would only keep a restarted router off its port. A redeploy that replaces the
-    router (another mode) cannot work this way, as the new router must bind the port the old one
-    still holds: ``pdserve`` never does one (``scale`` keeps the router)."""
+    front, both would only keep a restarted router off its port.
+
+    Opt-in (PDSERVE_DIRECT_INGRESS=1) because Serve 2.60 gives a port up for good after one failed
+    bind, and binds without SO_REUSEADDR: a router restarted while its old connections sit in
+    TIME_WAIT (~60 s after a crash with clients connected), or a redeploy that replaces the router
+    while the old one still holds the port, leaves the cluster without ingress until Ray restarts."""
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
@@ -91,42 +77,50 @@ def cpus_needed(config: ClusterConfig) -> float:
 
 def start_ray(config: ClusterConfig, direct_ingress: bool | None = None) -> None:
     """Join ``ray_address``, or start a local Ray with enough logical CPUs for every shard, its
-    router serving HTTP itself unless ``direct_ingress`` (default: PDSERVE_DIRECT_INGRESS) is off."""
+    router serving HTTP itself if ``direct_ingress`` (default: PDSERVE_DIRECT_INGRESS) is on."""
     if ray.is_initialized():
         return
+    global _direct_ingress_port
+    _direct_ingress_port = None
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=APP_NAME)
         return
     # Logical CPUs are scheduling tokens: a laptop with 2 cores still runs a TP=3 prefill replica.
     num_cpus = max(os.cpu_count() or 1, int(cpus_needed(config) * 2) + 2)
-    global _direct_ingress_port
-    for name, value in SERVE_PROCESS_ENV.items():
+    for name, value in env.SERVE_PROCESS_ENV.items():
         os.environ.setdefault(name, value)
     if env.direct_ingress_enabled() if direct_ingress is None else direct_ingress:
         _direct_ingress_port = config.port or free_port(config.host)
         wait_port_free(config.host, _direct_ingress_port)
         os.environ.update(direct_ingress_env(_direct_ingress_port))
     else:
-        _direct_ingress_port = None
+        # Serve's throughput settings turn its direct ingress on unless told otherwise.
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
     ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=APP_NAME, log_to_driver=True)
 
 
 def start_serve(config: ClusterConfig) -> None:
     """Serve, with its HTTP proxy on the configured port, or, when the router replica serves that
-    port itself (``start_ray`` set up direct ingress), on a free one beside it: Serve's direct
-    ingress still starts the proxy, which then only answers Serve's own health routes."""
-    port = config.port if _direct_ingress_port is None else free_port(config.host)
+    port itself (``start_ray`` set up direct ingress), on another free port: Serve's direct ingress
+    still starts the proxy, which serves the same API there (on ``config.host`` too)."""
+    port = config.port
+    while _direct_ingress_port is not None and port in (config.port, _direct_ingress_port):
+        port = free_port(config.host)
     serve.start(http_options={"host": config.host, "port": port})
 
 
-def wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:
-    """Until ``port`` can be bound (a server stopped a moment ago may still hold it), else fail
-    now: Serve would give the port up for good on the router's first failed bind."""
+def _socket_for(host: str) -> socket.socket:
+    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
+def wait_port_free(host: str, port: int, timeout_s: float = 90.0) -> None:
+    """Until ``port`` can be bound as Serve's direct ingress binds it (no SO_REUSEADDR, so this also
+    waits out connections of a server stopped a moment ago, in TIME_WAIT ~60 s), else fail now:
+    Serve would give the port up for good on the router's first failed bind."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server binds
+        with _socket_for(host) as sock:
             try:
                 sock.bind((host, port))
                 return
@@ -139,7 +133,7 @@ def wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as sock:
+    with _socket_for(host) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -347,6 +341,8 @@ def http_port() -> int:
 
 
 def shutdown() -> None:
+    global _direct_ingress_port
+    _direct_ingress_port = None
     try:
         serve.shutdown()
     finally:

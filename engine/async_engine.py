@@ -94,8 +94,13 @@ class AsyncEngine:
         self._thread.start()
         try:
             built.result()
-        except BaseException:
-            self._thread.join()  # it returns right after failing the build
+        except BaseException:  # the build failed (the thread has returned), or this wait was interrupted
+            self._stopping.set()
+            with contextlib.suppress(queue.Full):
+                self._commands.put_nowait((lambda e: None, None))  # wake the thread if it got to its loop
+            self._thread.join()
+            if built.done() and built.exception() is None:
+                self.engine.shutdown()
             raise
 
     # --- called from coroutines --------------------------------------------------------------

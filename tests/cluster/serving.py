@@ -53,8 +53,9 @@ class LocalCluster:
             return config
         started = time.monotonic()
         if not self.started:
-            # Serve's proxy in front: the tests redeploy configs that replace the router, which
-            # direct ingress cannot do on one port (test_direct_ingress runs `pdserve serve` as is).
+            # Serve's proxy in front, the default (test_direct_ingress covers the router serving
+            # HTTP itself): these tests redeploy configs that replace the router, which direct
+            # ingress cannot do on one port.
             app.start_ray(config, direct_ingress=False)
             app.start_serve(config)
             self.started = True

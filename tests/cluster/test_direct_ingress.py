@@ -1,10 +1,9 @@
-"""`pdserve serve` as a user runs it: the router replica is the HTTP server (Serve's direct ingress).
+"""`pdserve serve` with PDSERVE_DIRECT_INGRESS=1: the router replica is the HTTP server (Serve's direct ingress).
 
-The other serving tests deploy many configurations into one Ray and so keep Serve's proxy in
-front (tests/cluster/serving.py says why); this module starts the real command, with its
-defaults but float32 and a small KV budget, and checks what changes when clients reach the
-router directly: who listens on the port, greedy output against transformers, request ids, and
-a client that leaves mid-stream.
+The other serving tests deploy many configurations into one Ray behind Serve's proxy (the
+default); this module starts the real command, with its defaults but float32 and a small KV
+budget, and checks what changes when clients reach the router directly: who listens on the
+port, greedy output against transformers, request ids, and a client that leaves mid-stream.
 """
 
 from __future__ import annotations
@@ -27,7 +26,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server():
-    process = start_server(["--dtype", "float32", "--kv-cache-memory", str(32 * 2**20)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PDSERVE_DIRECT_INGRESS", "1")  # opt-in (cluster.app.direct_ingress_env says why)
+        process = start_server(["--dtype", "float32", "--kv-cache-memory", str(32 * 2**20)])
     yield process
     process.stop()
 
