@@ -193,7 +193,7 @@ class Orchestrator:
                     except BaseException:
                         _discard(next_item)
                         raise
-                else:  # the common case, once per token: no task of its own
+                else:  # the common case, once per token: nothing to race it against
                     delta = await self._next(stream, deadline)
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
                 if prefill_task is not None and num_yielded == 0 and delta.error is not None:
