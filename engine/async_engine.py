@@ -95,9 +95,7 @@ class AsyncEngine:
         try:
             built.result()
         except BaseException:  # the build failed (the thread has returned), or this wait was interrupted
-            self._stopping.set()
-            with contextlib.suppress(queue.Full):
-                self._commands.put_nowait((lambda e: None, None))  # wake the thread if it got to its loop
+            self._stop_thread()
             self._thread.join()
             if built.done() and built.exception() is None:
                 self.engine.shutdown()
@@ -202,11 +200,14 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
+        self._stop_thread()
+        self._thread.join(timeout_s)
+        self.engine.shutdown()
+
+    def _stop_thread(self) -> None:
         self._stopping.set()
         with contextlib.suppress(queue.Full):
             self._commands.put_nowait((lambda e: None, None))  # wake the thread
-        self._thread.join(timeout_s)
-        self.engine.shutdown()
 
     # --- the engine thread -------------------------------------------------------------------
     def _run(self, build: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
