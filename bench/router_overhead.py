@@ -4,10 +4,11 @@ What: the time the router (``router.server.RouterServer``: parse, tokenize, admi
 the orchestrator and its pool handle calls, SSE encoding) adds to a streamed request, as p50/p90/p99
 of TTFT and E2E at a fixed open-loop rate (target: ≤ 1 ms p99 at 50 req/s).
 
-How: a local Ray + Serve runs two applications side by side on one HTTP proxy:
+How: a local Ray + Serve runs two applications side by side, each replica serving HTTP on a port
+of its own (router.http_listener, as a cluster's router does; Serve's proxy is off):
 
-    router  /v1/completions  ─▶ RouterServer (the real class, real tokenizer) ─▶ NullDecode, NullPrefill
-    bypass  /bypass/v1/completions ─▶ Bypass (FastAPI ingress that writes the same SSE chunks itself)
+    router  :port/v1/completions    ─▶ RouterServer (the real class, real tokenizer) ─▶ NullDecode, NullPrefill
+    bypass  :port+1/v1/completions  ─▶ Bypass (FastAPI in a replica that writes the same SSE chunks itself)
 
 ``NullDecode.generate`` issues a ticket (disagg), waits for the "KV" to land, then yields
 ``max_tokens`` one-token deltas, at once or ``--token-interval-ms`` apart. ``NullPrefill.prefill``
@@ -23,14 +24,15 @@ as the client sees it.
         [--mode disagg|colocated] [--arrival poisson|constant] [--token-interval-ms 0] [--port 0]
     pdserve bench router [same arguments]
 
-Reading the result: the "bypass" row is Serve's HTTP proxy plus one hop to a replica (and
-FastAPI); the "router" row adds the router's own work and its two pool calls (one streaming).
-"router added" is router minus bypass per percentile: a difference of percentiles, not the
-percentile of per-request differences, so it approximates the added latency (exact for a constant
-shift). TTFT is the cleanest comparison: with tokens all at once, Serve carries the bypass's
-chunks to the proxy together (its ITL ≈ 0, E2E ≈ TTFT) while the router's come one delta at a
-time; ``--token-interval-ms`` (say 10, a decode step) paces both alike. Client, Serve and every
-replica share this host's cores, so contention is in both rows, and CPU saturation shows as queueing.
+Reading the result: the "bypass" row is an HTTP server in a replica (uvicorn and FastAPI); the
+"router" row adds the router's own work and its two pool calls (one streaming). "router added" is
+router minus bypass per percentile: a difference of percentiles, not the percentile of
+per-request differences, so it approximates the added latency (exact for a constant shift). TTFT
+is the cleanest comparison: with tokens all at once, the bypass writes its chunks back to back
+(its ITL ≈ 0, E2E ≈ TTFT) while the router's come one delta at a time; ``--token-interval-ms``
+(say 10, a decode step) paces both alike. ``--port`` is the router's; the bypass takes the next
+one (0: free ones). Client, Serve and every replica share this host's cores, so contention is in
+both rows, and CPU saturation shows as queueing.
 Writes bench/results/router_overhead.json (summaries and every request's timings).
 """
 
@@ -62,6 +64,7 @@ from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ReplicaReport, ServeRequest, StreamDelta, TicketIssued
 from engine.model_loader import DEFAULT_MODEL_NAME, resolve_model_dir
 from router import protocol
+from router.http_listener import HttpListener
 from router.server import RouterServer
 
 MODEL = DEFAULT_MODEL_NAME
@@ -165,7 +168,7 @@ class NullPrefill(_NullPool):
         return PrefillResult(request.request_id, _TOKEN_ID, 0, replica_id=self.replica_id)
 
 
-# ---------------------------------------------------------------- the bypass: proxy + one hop
+# ---------------------------------------------------------------- the bypass: an HTTP server in a replica
 async def _sse_chunks(model: str, max_tokens: int, token_interval_s: float) -> AsyncIterator[bytes]:
     response_id, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     for i in range(max_tokens):
@@ -177,15 +180,17 @@ async def _sse_chunks(model: str, max_tokens: int, token_interval_s: float) -> A
     yield protocol.SSE_DONE
 
 
-bypass_api = FastAPI(docs_url=None, redoc_url=None)
-
-
-@serve.ingress(bypass_api)
 class Bypass:
-    def __init__(self, token_interval_s: float = 0.0) -> None:
+    def __init__(self, port: int, token_interval_s: float = 0.0) -> None:
         self.token_interval_s = token_interval_s
+        api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        self.listener = HttpListener(api, "127.0.0.1", port)
+        self.listener.start()
 
-    @bypass_api.post("/v1/completions")
+    async def __del__(self) -> None:
+        await self.listener.stop()
+
     async def completions(self, request: Request) -> StreamingResponse:
         body = json.loads(await request.body())
         chunks = _sse_chunks(body["model"], int(body["max_tokens"]), self.token_interval_s)
@@ -213,34 +218,33 @@ def _pool_options(name: str) -> dict:
     }
 
 
-# As cluster.app gives the router (max_concurrent_requests * 2), and the bypass alike: Serve's default
-# of 5 requests per replica would queue the bypass's requests in the proxy.
+# As cluster.app gives the router, and the bypass alike (their HTTP requests are not Serve's: this
+# bounds only calls through their handles).
 _INGRESS_OPTIONS = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 2048}
 
 
-def router_app(mode: str, token_interval_s: float = 0.0) -> Any:
+def router_app(port: int, mode: str, token_interval_s: float = 0.0) -> Any:
     """RouterServer bound as cluster.app.build_app binds it, to null pools."""
     colocated = mode == "colocated"
     decode = serve.deployment(NullDecode).options(**_pool_options("colocated" if colocated else "decode"))
     prefill = None if colocated else serve.deployment(NullPrefill).options(**_pool_options("prefill")).bind()
-    router_args = (MODEL, str(resolve_model_dir(None)), mode, 600.0, 1, 1024)
+    router_args = (MODEL, str(resolve_model_dir(None)), mode, 600.0, 1, 1024, "127.0.0.1", port)
     router = serve.deployment(RouterServer).options(**_INGRESS_OPTIONS, name="router")
     return router.bind(decode.bind(colocated, token_interval_s), prefill, *router_args)
 
 
-def start(port: int, mode: str, token_interval_s: float = 0.0) -> None:
+def start(port: int, bypass_port: int, mode: str, token_interval_s: float = 0.0) -> None:
     """Ray (owned by this process, as cluster.app.start_ray starts it) and Serve with both apps."""
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process; the benchmark starts (and stops) its own")
-    for name, value in SERVE_PROCESS_ENV.items():  # as a local cluster's, Serve's proxy in front
+    for name, value in SERVE_PROCESS_ENV.items():  # as a local cluster's
         os.environ.setdefault(name, value)
-    os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, namespace="pdserve-bench", log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(router_app(mode, token_interval_s), name="router", route_prefix="/")
+        serve.start(proxy_location="Disabled")
+        serve.run(router_app(port, mode, token_interval_s), name="router", route_prefix=None)
         bypass = serve.deployment(Bypass).options(**_INGRESS_OPTIONS, name="bypass")
-        serve.run(bypass.bind(token_interval_s), name="bypass", route_prefix="/bypass")
+        serve.run(bypass.bind(bypass_port, token_interval_s), name="bypass", route_prefix=None)
     except BaseException:
         shutdown()  # a failed start leaves no Ray behind for the next user of this process
         raise
@@ -303,10 +307,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.num_requests < 1 or args.max_tokens < 1 or args.warmup < 0:
         parser.error("--num-requests and --max-tokens must be >= 1, --warmup >= 0")
+    if args.port and not 0 < args.port < 65535:
+        parser.error("--port must be in 1..65534 (the bypass takes the next one)")
     port = args.port or free_port()
-    start(port, args.mode, args.token_interval_ms / 1000)
+    bypass_port = args.port + 1 if args.port else free_port()
+    while bypass_port == port:  # both bind with SO_REUSEPORT: one port would mix their requests
+        bypass_port = free_port()
+    start(port, bypass_port, args.mode, args.token_interval_ms / 1000)
     try:
-        urls = {"bypass": f"http://127.0.0.1:{port}/bypass/v1", "router": f"http://127.0.0.1:{port}/v1"}
+        urls = {"bypass": f"http://127.0.0.1:{bypass_port}/v1", "router": f"http://127.0.0.1:{port}/v1"}
         results = {path: asyncio.run(measure(urls[path], args)) for path in PATHS}
     finally:
         shutdown()
@@ -316,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     title = f"router overhead, ms ({args.mode}, {args.rate:g} req/s offered, {args.max_tokens} tokens/request)"
     print_table(title, [*rows.values(), {"path": "router added (≈)", **router_added}], columns)
     payload = {
-        "config": vars(args) | {"port": port},
+        "config": vars(args) | {"port": port, "bypass_port": bypass_port},
         "router_added_ms": router_added,
         "paths": {path: results[path].to_json() for path in PATHS},
     }

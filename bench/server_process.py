@@ -44,9 +44,10 @@ class ServerProcess:
             self.process.wait(10)
 
 
-def start_server(serve_args: list[str], timeout_s: float = 600.0) -> ServerProcess:
-    """``pdserve serve <serve_args>`` on a free port; returns once it prints that it is ready."""
-    port = free_port()
+def start_server(serve_args: list[str], timeout_s: float = 600.0, port: int | None = None) -> ServerProcess:
+    """``pdserve serve <serve_args>`` on ``port`` (default: a free one); returns once it prints
+    that it is ready."""
+    port = port or free_port()
     state = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "cluster.json"
     env = {**os.environ, "PDSERVE_STATE_FILE": str(state)}
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *serve_args]

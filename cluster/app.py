@@ -1,6 +1,6 @@
 """Composition root: a ClusterConfig becomes a running Ray Serve application.
 
-    app "pdserve":  router (ingress, FastAPI) ──handles──▶ prefill (PrefillServer × N)
+    app "pdserve":  router (HTTP on host:port) ──handles──▶ prefill (PrefillServer × N)
                                                  └──────▶ decode  (DecodeServer × M)
     colocated:      router ──▶ colocated (DecodeServer in the colocated role × K)
 
@@ -13,7 +13,9 @@ requests; those in flight finish within ``graceful_shutdown_timeout_s``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -41,31 +43,7 @@ from router.server import RouterServer
 logger = logging.getLogger(__name__)
 APP_NAME = "pdserve"
 _ROUTER_CLASS = "router.serve_routing:PolicyRequestRouter"
-
-
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Serve's direct ingress on ``port``: the router replica runs the HTTP server itself, so a token
-    leaves it for the client without a further hop through Serve's proxy (~0.8 ms of CPU per token
-    in the proxy, plus the router's side of that hop). Serve hands an ingress replica a port from
-    [MIN, MAX): this range holds the configured port alone. Serve holds a released port back for
-    a load balancer in front to forget it, and keeps a stopping replica open for it: with none in
-    front, both would only keep a restarted router off its port.
-
-    Opt-in (PDSERVE_DIRECT_INGRESS=1) because Serve 2.60 gives a port up for good after one failed
-    bind, and binds without SO_REUSEADDR: a router restarted while its old connections sit in
-    TIME_WAIT (~60 s after a crash with clients connected), or a redeploy that replaces the router
-    while the old one still holds the port, leaves the cluster without ingress until Ray restarts."""
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
-        "RAY_SERVE_PORT_QUARANTINE_S": "0",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-    }
-
-
-# The port the router replica listens on itself (a local cluster), or None: Serve's proxy's.
-_direct_ingress_port: int | None = None
+_ROUTER_CALL_TIMEOUT_S = 30.0
 
 
 def cpus_needed(config: ClusterConfig) -> float:
@@ -75,38 +53,55 @@ def cpus_needed(config: ClusterConfig) -> float:
     )
 
 
-def start_ray(config: ClusterConfig, direct_ingress: bool | None = None) -> None:
-    """Join ``ray_address``, or start a local Ray with enough logical CPUs for every shard, its
-    router serving HTTP itself if ``direct_ingress`` (default: PDSERVE_DIRECT_INGRESS) is on."""
+# This process's claim on its local cluster's HTTP port (a file descriptor holding an flock).
+_port_lock: int | None = None
+
+
+def start_ray(config: ClusterConfig) -> None:
+    """Join ``ray_address``, or start a local Ray with enough logical CPUs for every shard, first
+    claiming the HTTP port on this host (released by ``shutdown`` or this process's exit) and
+    waiting until nothing else listens there: a taken port fails here, before Ray starts."""
+    global _port_lock
     if ray.is_initialized():
         return
-    global _direct_ingress_port
-    _direct_ingress_port = None
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=APP_NAME)
         return
+    if config.port and _port_lock is None:
+        _port_lock = lock_port(config.port)
+        wait_port_free(config.host, config.port)
     # Logical CPUs are scheduling tokens: a laptop with 2 cores still runs a TP=3 prefill replica.
     num_cpus = max(os.cpu_count() or 1, int(cpus_needed(config) * 2) + 2)
     for name, value in env.SERVE_PROCESS_ENV.items():
         os.environ.setdefault(name, value)
-    if env.direct_ingress_enabled() if direct_ingress is None else direct_ingress:
-        _direct_ingress_port = config.port or free_port(config.host)
-        wait_port_free(config.host, _direct_ingress_port)
-        os.environ.update(direct_ingress_env(_direct_ingress_port))
-    else:
-        # Serve's throughput settings turn its direct ingress on unless told otherwise.
-        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
     ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=APP_NAME, log_to_driver=True)
 
 
 def start_serve(config: ClusterConfig) -> None:
-    """Serve, with its HTTP proxy on the configured port, or, when the router replica serves that
-    port itself (``start_ray`` set up direct ingress), on another free port: Serve's direct ingress
-    still starts the proxy, which serves the same API there (on ``config.host`` too)."""
-    port = config.port
-    while _direct_ingress_port is not None and port in (config.port, _direct_ingress_port):
-        port = free_port(config.host)
-    serve.start(http_options={"host": config.host, "port": port})
+    """Serve without its HTTP proxy: the router replica serves the API on host:port itself
+    (router.http_listener)."""
+    serve.start(proxy_location="Disabled")
+
+
+def lock_port(port: int) -> int:
+    """One local cluster per port on a host, the race of two starting at once included: the router
+    binds with SO_REUSEPORT, so the bind alone would let a second cluster share the port."""
+    # Per user: SO_REUSEPORT shares a port only between one user's sockets anyway.
+    lock_dir = env.core_lock_dir().parent / f"pdserve-ports-{os.getuid()}"
+    try:
+        lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(lock_dir / f"port-{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot claim port {port}: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"port {port} belongs to another pdserve on this host (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def _socket_for(host: str) -> socket.socket:
@@ -114,13 +109,14 @@ def _socket_for(host: str) -> socket.socket:
     return socket.socket(family, socket.SOCK_STREAM)
 
 
-def wait_port_free(host: str, port: int, timeout_s: float = 90.0) -> None:
-    """Until ``port`` can be bound as Serve's direct ingress binds it (no SO_REUSEADDR, so this also
-    waits out connections of a server stopped a moment ago, in TIME_WAIT ~60 s), else fail now:
-    Serve would give the port up for good on the router's first failed bind."""
+def wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:
+    """Until no server listens on ``port`` (a server stopped a moment ago may still be closing),
+    else fail now. The router binds with SO_REUSEPORT, so that a replacement router can bind beside
+    the one it replaces: without this check, a second cluster on a taken port would share it."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _socket_for(host) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT do not count
             try:
                 sock.bind((host, port))
                 return
@@ -139,8 +135,16 @@ def free_port(host: str) -> int:
 
 
 def resolved(config: ClusterConfig) -> ClusterConfig:
-    """What ``serve`` deploys and records: ``dtype: auto`` and the pools' cores decided once."""
-    return with_resolved_kv_budget(with_resolved_cores(with_resolved_dtype(config)))
+    """What ``serve`` deploys and records: ``dtype: auto``, the pools' cores and port 0 decided once."""
+    return with_resolved_port(with_resolved_kv_budget(with_resolved_cores(with_resolved_dtype(config))))
+
+
+def with_resolved_port(config: ClusterConfig) -> ClusterConfig:
+    """Port 0 on a local cluster: a free port picked now, so a router that restarts (or a ``scale``)
+    binds the same one instead of another free one. A joined cluster's router picks its own."""
+    if config.port or config.ray_address:
+        return config
+    return dataclasses.replace(config, port=free_port(config.host))
 
 
 def with_resolved_kv_budget(config: ClusterConfig) -> ClusterConfig:
@@ -290,13 +294,17 @@ def build_app(config: ClusterConfig):
         config.router.request_timeout_s,
         config.router.max_retries,
         config.router.max_concurrent_requests,
+        config.host,
+        config.port,
     )
     router_options = {
         "name": "router",
         "num_replicas": 1,
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": config.router.max_concurrent_requests * 2,
-        "graceful_shutdown_timeout_s": config.router.request_timeout_s,
+        # Beyond the router's own drain (request_timeout_s): Serve's steps before it take some, and
+        # the streams it cancels at its end must still reach the pools.
+        "graceful_shutdown_timeout_s": config.router.request_timeout_s + 30,
     }
     # The pool handles are bound by deployment name, so the scalar arguments fix the version.
     version = _version(RouterServer, (config.pools(), router_args), router_options)
@@ -310,7 +318,7 @@ def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
     started = time.monotonic()
     start_ray(config)
     start_serve(config)
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
     if blocking_ready:
         wait_ready(config.router.request_timeout_s)
     return time.monotonic() - started
@@ -331,19 +339,27 @@ def wait_ready(timeout_s: float) -> None:
         time.sleep(0.25)
 
 
-def http_port() -> int:
-    """The port clients reach the router on (port 0 in the config: the one picked)."""
-    if _direct_ingress_port is not None:
-        return _direct_ingress_port
-    from ray.serve.context import _get_global_client
+def http_port(config: ClusterConfig) -> int:
+    """The port clients reach the router on: the configured one, or (port 0 on a joined cluster)
+    the one the router got."""
+    if config.port:
+        return config.port
 
-    return _get_global_client().http_config.port
+    async def ask() -> tuple[str, int]:
+        # In a loop: a handle may be bound to the caller's loop (Serve's throughput settings).
+        handle = serve.get_deployment_handle("router", APP_NAME)
+        return await asyncio.wait_for(handle.http_address.remote(), _ROUTER_CALL_TIMEOUT_S)
+
+    return int(asyncio.run(ask())[1])
 
 
 def shutdown() -> None:
-    global _direct_ingress_port
-    _direct_ingress_port = None
+    global _port_lock
     try:
-        serve.shutdown()
+        if ray.is_initialized():  # else serve.shutdown would start (or join) a Ray to shut down
+            serve.shutdown()
     finally:
         ray.shutdown()
+        if _port_lock is not None:
+            os.close(_port_lock)  # closing the descriptor drops the lock
+            _port_lock = None

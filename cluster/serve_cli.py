@@ -90,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster import app
 
     config = app.resolved(config_from_args(args))
+    wrote_state = False
 
     def _terminate(signum, frame):  # SIGTERM takes the same clean path as Ctrl-C
         raise KeyboardInterrupt
@@ -99,8 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _terminate)  # after ray.init, which installs a handler of its own
         # Also when started in the background by a script, where SIGINT arrives ignored.
         signal.signal(signal.SIGINT, _terminate)
-        port = app.http_port()
+        port = app.http_port(config)
         _write_state(config, port)
+        wrote_state = True
         print(
             f"pdserve ({config.mode}) serving {config.served_name} at http://{config.host}:{port}/v1 "
             f"— ready in {seconds:.1f} s. Ctrl-C stops it.",
@@ -115,7 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("pdserve: shutting down", flush=True)
-        env.run_state_file().unlink(missing_ok=True)
+        if wrote_state:  # a start refused (port taken) must not erase the running cluster's record
+            env.run_state_file().unlink(missing_ok=True)
         app.shutdown()
     return 0
 
@@ -220,7 +223,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if not config.ray_address:
         app.check_cores(config, len(host_cores()))
     ray.init(address=config.ray_address or "auto", namespace=app.APP_NAME, log_to_driver=False)
-    serve.run(app.build_app(config), name=app.APP_NAME, route_prefix="/", blocking=False)
+    serve.run(app.build_app(config), name=app.APP_NAME, route_prefix=None, blocking=False)
     app.wait_ready(config.router.request_timeout_s)
     _write_state(config, state["port"])
     print("scaled: " + ", ".join(f"{pool}={config.pool(pool).replicas}" for pool in config.pools()))

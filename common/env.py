@@ -26,12 +26,6 @@ def run_state_file() -> Path:
     return Path(configured).expanduser() if configured else cache_dir() / "run" / "cluster.json"
 
 
-def direct_ingress_enabled() -> bool:
-    """PDSERVE_DIRECT_INGRESS=1: a local cluster's router replica serves HTTP itself (Serve's direct
-    ingress) instead of behind Serve's HTTP proxy. Off by default: see cluster.app.direct_ingress_env."""
-    return os.environ.get("PDSERVE_DIRECT_INGRESS", "0") in ("1", "true", "yes", "on")
-
-
 def cpu_kernels_enabled() -> bool:
     """PDSERVE_CPU_KERNELS=0 keeps the engine on plain torch ops (the compiled CPU kernels are off)."""
     return os.environ.get("PDSERVE_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
@@ -68,4 +62,7 @@ SERVE_PROCESS_ENV = {
     # replica, 1.7 -> 1.2 ms in the router. Logs still go to stderr.
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_LOG_TO_STDERR": "1",
+    # Those settings turn Serve's direct ingress on too; the router serves HTTP itself instead
+    # (router.http_listener says why).
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
 }

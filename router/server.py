@@ -1,11 +1,13 @@
-"""The ingress deployment: OpenAI-compatible HTTP API (FastAPI under Ray Serve).
+"""The ingress deployment: OpenAI-compatible HTTP API (FastAPI, served by the replica itself).
 
     POST /v1/completions, /v1/chat/completions ─▶ parse + validate (400/404 before any pool) ─▶
     tokenize (+ chat template), check the context length ─▶ admission (503 + Retry-After) ─▶
     Orchestrator.run (decode reservation, prefill with the ticket, token deltas) ─▶ JSON or SSE
 
-Every response carries ``X-Request-Id`` (the client's, echoed, or a fresh one); every log line
-about a request names it. A client that disconnects mid-stream cancels the request on both pools.
+The replica listens on host:port itself (router.http_listener), not behind Serve's HTTP proxy:
+every streamed token would cross one more process. Every response carries ``X-Request-Id`` (the
+client's, echoed, or a fresh one); every log line about a request names it. A client that
+disconnects mid-stream cancels the request on both pools.
 """
 
 import asyncio
@@ -14,31 +16,101 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from ray import serve
+from starlette.exceptions import HTTPException
 
 from common.errors import InvalidRequestError, OverloadedError
 from common.serving import StreamDelta
 from router import protocol
+from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.protocol import ApiError, ParsedRequest
 
 logger = logging.getLogger("pdserve.router")
-app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+_T = TypeVar("_T")
 _POOL_CALL_TIMEOUT_S = 10.0
+_REQUEST_ID_KEY = "pdserve.request_id"
+# A request body is read whole before parsing: this bounds what one client can make the router hold.
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+
+
+class _RequestIds:
+    """ASGI middleware: the request's id (the client's X-Request-Id, else a fresh one) in the scope,
+    and on every response, errors and 404s included."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        request_id = given.decode("latin-1")[:128] or uuid.uuid4().hex
+        scope[_REQUEST_ID_KEY] = request_id
+        header = (b"x-request-id", request_id.encode("latin-1"))
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _request_ids(request: Request) -> tuple[str, str]:
-    """(internal id, the request id of the X-Request-Id header). Serve's proxy echoes the client's
-    X-Request-Id, or sets a fresh one, on every response; internal ids stay unique per pool."""
-    from ray.serve.context import _get_serve_request_context
+    """(internal id, the request id of the X-Request-Id header); internal ids stay unique per pool."""
+    return uuid.uuid4().hex, request.scope.get(_REQUEST_ID_KEY, "")
 
-    return uuid.uuid4().hex, _get_serve_request_context().request_id or request.headers.get("x-request-id", "")
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        # Closing: the server would otherwise read (and drop) the whole declared body.
+        headers = {"connection": "close"}
+        raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large", headers=headers)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _ClientLeft(Exception):
+    """The client closed its connection before its response started."""
+
+
+async def _disconnected(request: Request) -> None:
+    # Once the body is read, the next ASGI message is the client's disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_left(request: Request, work: Awaitable[_T]) -> _T:
+    """``work``, cancelled (and waited for) if the client leaves first: a client gone before its
+    answer must not hold a decode slot and its KV blocks until max_tokens. (A stream whose headers
+    are out is Starlette's: it stops the stream when the client leaves.)"""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+        raise _ClientLeft
+    return task.result()
 
 
 def _failed() -> ApiError:
@@ -48,6 +120,14 @@ def _failed() -> ApiError:
 
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Unknown paths and wrong methods, in OpenAI's error format too."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(ApiError(exc.status_code, message, type=kind, headers=exc.headers))  # 405: Allow
 
 
 async def _chain(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
@@ -72,9 +152,10 @@ def _over_grpc(handle: Any) -> Any:
     return handle.options(_by_reference=False)
 
 
-# serve.ingress copies the class now: every module-level name its methods use must exist above.
-@serve.ingress(app)
 class RouterServer:
+    """A Serve deployment (cluster.app applies the options) that serves HTTP on host:port itself,
+    from its constructor on; its health check fails if that server stops."""
+
     def __init__(
         self,
         decode: Any,
@@ -85,6 +166,9 @@ class RouterServer:
         request_timeout_s: float = 600.0,
         max_retries: int = 1,
         max_concurrent_requests: int = 1024,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -97,19 +181,54 @@ class RouterServer:
         self.vocab_size = len(self.tokenizer)
         self.orchestrator = Orchestrator(decode, prefill, request_timeout_s, max_retries, self._detokenize)
         self.max_concurrent_requests = max_concurrent_requests
+        self.max_body_bytes = max_body_bytes
         self.num_in_flight = 0
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
         self.metrics = RouterMetrics(mode)
         self.created = int(time.time())
+        # Serve runs the constructor on the replica's user-code loop: the server runs there too.
+        self.listener = HttpListener(
+            self._app(),
+            host,
+            port,
+            # Beyond our own admission (503 in OpenAI's format), a backstop of uvicorn's.
+            max_connections=2 * max_concurrent_requests + 64,
+            drain_timeout_s=request_timeout_s,
+        )
+        self.listener.start()
+
+    def _app(self) -> Any:
+        api = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+        api.add_exception_handler(HTTPException, _http_error)
+        api.add_api_route("/v1/models", self.models, methods=["GET"])
+        api.add_api_route("/health", self.health, methods=["GET"])
+        api.add_api_route("/pdserve/status", self.status, methods=["GET"])
+        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return _RequestIds(api)
+
+    async def http_address(self) -> tuple[str, int]:
+        """Where this replica serves HTTP (port 0 in the config: the port it got)."""
+        return self.listener.host, self.listener.port
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose HTTP server stopped is replaced."""
+        failure = self.listener.failure()
+        if failure is not None:
+            raise RuntimeError(f"the router's HTTP server on port {self.listener.port} stopped: {failure!r}")
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: stop accepting, let streams in flight end."""
+        listener = getattr(self, "listener", None)  # None: the constructor failed before it
+        if listener is not None:
+            await listener.stop()
 
     # --- plain endpoints -------------------------------------------------------------------
-    @app.get("/v1/models")
     async def models(self) -> dict:
         card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
     async def health(self) -> Response:
         pools = {"decode": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
         down = []
@@ -122,7 +241,6 @@ class RouterServer:
             return JSONResponse({"status": "unavailable", "pools_down": down}, status_code=503)
         return JSONResponse({"status": "ok", "mode": self.mode})
 
-    @app.get("/pdserve/status")
     async def status(self) -> dict:
         from router.routing_state import latest_reports
 
@@ -140,11 +258,9 @@ class RouterServer:
         }
 
     # --- generation ----------------------------------------------------------------------------
-    @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, protocol.parse_completion_request)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, protocol.parse_chat_request)
 
@@ -152,8 +268,10 @@ class RouterServer:
         internal_id, request_id = _request_ids(request)
         started = time.monotonic()
         try:
+            if self.num_in_flight >= self.max_concurrent_requests:  # before the body too: it is held whole
+                raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await _read_body(request, self.max_body_bytes))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
             parsed: ParsedRequest = parse(body, self.served_model)
@@ -172,7 +290,11 @@ class RouterServer:
         self.num_in_flight += 1
         deltas = self._tracked(self.orchestrator.run(internal_id, prompt_ids, parsed.sampling), started, request_id)
         try:
-            first = await deltas.__anext__()  # refusals surface here, before any header is sent
+            first = await _unless_client_left(request, deltas.__anext__())  # refusals surface here
+        except _ClientLeft:
+            await deltas.aclose()
+            logger.info("request %s: the client left before its first token", request_id)
+            return Response(status_code=499)  # nobody reads it
         except Exception as exc:
             await deltas.aclose()
             error = protocol.api_error_from_exception(exc)
@@ -189,7 +311,11 @@ class RouterServer:
             events = self._sse(parsed, response_id, prompt_ids, prompt_text, first, deltas)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            return await self._collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
+            collected = self._collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
+            return await _unless_client_left(request, collected)
+        except _ClientLeft:
+            logger.info("request %s: the client left before its answer", request_id)
+            return Response(status_code=499)
         except Exception:
             logger.exception("request %s failed", request_id)
             return _error_response(_failed())

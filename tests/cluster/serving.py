@@ -53,10 +53,7 @@ class LocalCluster:
             return config
         started = time.monotonic()
         if not self.started:
-            # Serve's proxy in front, the default (test_direct_ingress covers the router serving
-            # HTTP itself): these tests redeploy configs that replace the router, which direct
-            # ingress cannot do on one port.
-            app.start_ray(config, direct_ingress=False)
+            app.start_ray(config)
             app.start_serve(config)
             self.started = True
         self.deploy(config)
@@ -66,7 +63,7 @@ class LocalCluster:
     def deploy(self, config: ClusterConfig) -> None:
         from ray import serve
 
-        serve.run(app.build_app(config), name=app.APP_NAME, route_prefix="/", blocking=False)
+        serve.run(app.build_app(config), name=app.APP_NAME, route_prefix=None, blocking=False)
         app.wait_ready(300)
         self.config = config
         self.wait_healthy()

@@ -1,0 +1,118 @@
+"""router.http_listener: a real uvicorn server on a real socket, driven by raw HTTP clients."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from router.http_listener import HttpListener, listening_socket
+
+
+def _app(name: str, release: asyncio.Event | None = None):
+    """An ASGI app answering its name; /slow streams one chunk, waits for ``release``, then ends."""
+
+    async def app(scope, receive, send):
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        if scope["path"] == "/slow":
+            await send({"type": "http.response.body", "body": b"first;", "more_body": True})
+            assert release is not None
+            await release.wait()
+        await send({"type": "http.response.body", "body": name.encode()})
+
+    return app
+
+
+async def _get(port: int, path: str = "/") -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _dechunk(body)
+    return int(head.split()[1]), body
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out, body = out + body[:size], body[size + 2 :]
+    return out
+
+
+async def _wait_serving(listener: HttpListener) -> None:
+    for _ in range(100):
+        try:
+            await _get(listener.port)
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the listener never answered")
+
+
+def test_serves_on_the_given_port_and_stop_refuses_new_connections():
+    async def main():
+        listener = HttpListener(_app("one"), "127.0.0.1", 0)
+        listener.start()
+        await _wait_serving(listener)
+        assert listener.serving and listener.failure() is None
+        assert await _get(listener.port) == (200, b"one")
+        await listener.stop()
+        assert not listener.serving and listener.failure() is None
+        with pytest.raises(OSError):
+            await _get(listener.port)
+
+    asyncio.run(main())
+
+
+def test_a_replacement_binds_beside_the_old_one_which_finishes_its_stream_after_stop():
+    async def main():
+        release = asyncio.Event()
+        old = HttpListener(_app("old", release), "127.0.0.1", 0)
+        old.start()
+        await _wait_serving(old)
+        in_flight = asyncio.create_task(_get(old.port, "/slow"))
+        await asyncio.sleep(0.2)  # the stream has started on the old server
+        new = HttpListener(_app("new"), "127.0.0.1", old.port)  # SO_REUSEPORT: no EADDRINUSE
+        new.start()
+        stopping = asyncio.create_task(old.stop())
+        await asyncio.sleep(0.3)  # the old server has closed its listening socket
+        assert not stopping.done()  # ... but waits for its stream
+        answers = {await _get(old.port) for _ in range(8)}
+        assert answers == {(200, b"new")}  # every new connection goes to the replacement
+        release.set()
+        assert await in_flight == (200, b"first;old")
+        await stopping
+        await new.stop()
+
+    asyncio.run(main())
+
+
+def test_a_port_held_by_a_server_without_reuseport_fails_at_construction():
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(OSError):
+            listening_socket("127.0.0.1", other.getsockname()[1])
+
+
+def test_the_server_failing_shows_in_failure():
+    async def main():
+        listener = HttpListener(_app("x"), "127.0.0.1", 0)
+        listener.socket.close()  # the server cannot serve a closed socket
+        listener.start()
+        for _ in range(100):
+            if not listener.serving:
+                break
+            await asyncio.sleep(0.05)
+        assert not listener.serving and listener.failure() is not None
+
+    asyncio.run(main())
