@@ -109,6 +109,28 @@ class ParsedRequest:
     user: str | None = None
 
 
+def decode_body(raw: bytes) -> object:
+    """The request body's JSON, or a 400 that says what is wrong with it: not UTF-8 or not JSON, an
+    integer with more digits than Python converts, nesting past the parser's recursion limit, or a
+    string holding a lone surrogate (``"\\ud800"`` is valid JSON, but no tokenizer takes it)."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the integer digit limit alike
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise ApiError(
+            400, f"the request body has a string that is not valid Unicode (a lone surrogate {bad})"
+        ) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    return body
+
+
 def parse_completion_request(body: object, served_model: str) -> ParsedRequest:
     return _parse(body, served_model, "completion")
 

@@ -12,7 +12,6 @@ disconnects mid-stream cancels the request on both pools.
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -270,10 +269,7 @@ class RouterServer:
         try:
             if self.num_in_flight >= self.max_concurrent_requests:  # before the body too: it is held whole
                 raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
-            try:
-                body = json.loads(await _read_body(request, self.max_body_bytes))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            body = protocol.decode_body(await _read_body(request, self.max_body_bytes))
             parsed: ParsedRequest = parse(body, self.served_model)
             prompt_ids, prompt_text = self._tokenize(parsed)
             await self._check_length(prompt_ids)

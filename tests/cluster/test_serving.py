@@ -176,6 +176,10 @@ def test_errors_come_back_in_openai_format_and_leak_nothing(cluster):
     url = cluster.url + "/v1/completions"
     cases = [
         (b"{not json", 400, None),
+        # Each was a 500 once: a lone surrogate, an integer past Python's digit limit, deep nesting.
+        (b'{"model": "%s", "prompt": "a \\ud800 b"}' % MODEL.encode(), 400, None),
+        (b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (MODEL.encode(), b"9" * 5000), 400, None),
+        (b"[" * 50_000 + b"]" * 50_000, 400, None),
         ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),

@@ -508,3 +508,25 @@ def test_router_modules_import_no_torch_ray_or_engine():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),  # not UTF-8
+        (b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),  # past Python's digit limit
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"model": "m", "prompt": "a \\ud800 b"}', "lone surrogate \\ud800"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', "lone surrogate"),
+    ],
+)
+def test_bodies_that_are_not_clean_json_are_a_400_not_a_500(raw, why):
+    with pytest.raises(ApiError) as refused:
+        protocol.decode_body(raw)
+    assert refused.value.status == 400 and why in refused.value.message
+
+
+def test_clean_json_with_escaped_surrogate_pairs_decodes():
+    body = protocol.decode_body(b'{"model": "m", "prompt": "smile \\ud83d\\ude00", "n": 1}')
+    assert body == {"model": "m", "prompt": "smile \U0001f600", "n": 1}
