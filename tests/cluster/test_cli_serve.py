@@ -58,7 +58,9 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
         threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
         url = f"http://127.0.0.1:{port}"
         assert get_json(url + "/v1/models")["data"][0]["id"] == MODEL
-        code, _, body = post(url + "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        # ignore_eos: sampled at the default temperature 1, an early EOS would end it short (it did, once).
+        request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+        code, _, body = post(url + "/v1/completions", request)
         assert code == 200 and body["usage"]["completion_tokens"] == 4
 
         status = _pdserve("status", "--json", env=env)
