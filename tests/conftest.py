@@ -65,9 +65,12 @@ def build_tiny_llama(
     tie_word_embeddings=False,
     model_type="llama",
     rope_scaling=None,
+    **config_overrides,
 ) -> Path:
     """A random-weight Llama-family model with SmolLM2's tokenizer; weights are scaled up so
-    greedy choices have clear margins (random tiny models otherwise produce near-ties)."""
+    greedy choices have clear margins (random tiny models otherwise produce near-ties), and
+    biases, where the architecture or ``config_overrides`` (``attention_bias``, ``mlp_bias``)
+    has them, are random too (transformers starts them at zero, which would hide a misplaced one)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -86,13 +89,16 @@ def build_tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
         **({"rope_scaling": rope_scaling} if rope_scaling else {}),
+        **config_overrides,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(str(out_dir))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():

@@ -2,8 +2,10 @@
 
 Decodes are batched. On CPU they run in one call of the compiled kernel
 (``engine/cpu_kernels/paged_attention.c``), which reads each sequence's keys and values where they lie in the
-paged cache. Elsewhere (CUDA, or no C compiler) every decode sequence's blocks are gathered into
-one padded [batch, max_context, heads, head_dim] tensor and masked past each sequence's length.
+paged cache: ``build_metadata`` binds it to the step's tables (``decode_attention``) and the CPU
+layer loop (``engine.models.llama_cpu``) calls it. Elsewhere (CUDA, or no C compiler) ``forward``
+gathers every decode sequence's blocks into one padded [batch, max_context, heads, head_dim]
+tensor and masks it past each sequence's length.
 Prefill chunks go one by one through SDPA with a batch dimension (a 4-D call takes torch's
 flash kernel on CPU; a 3-D one fell back to the math path, 3-4x slower); a chunk starting at
 position 0 attends to its own keys (causal, no cache read, the same call transformers makes), a
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
-from engine.cpu_kernels import CPUKernels, DecodeAttention, kernels_for
+from engine.cpu_kernels import DecodeAttention, kernels_for
 
 
 @dataclass
@@ -38,8 +40,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     # [num_decodes, 1, 1, max_blocks * block_size]: True past each sequence's end, and its inverse
     decode_padding: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-    # CPU: the compiled kernels, and the decodes' attention bound to this step's tables once.
-    kernels: CPUKernels | None = None
+    # CPU with the compiled kernels: the decodes' attention bound to this step's tables once.
     decode_attention: DecodeAttention | None = None
     prefills: list[_Prefill] = field(default_factory=list)
 
@@ -50,16 +51,16 @@ class TorchPagedAttention(AttentionBackend):
     def build_metadata(self, step: StepTensors, block_size: int) -> TorchAttentionMetadata:
         device = step.input_ids.device
         meta = TorchAttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=step.num_decodes)
-        meta.kernels = kernels_for(device)
+        kernels = kernels_for(device)
         nd = step.num_decodes
         if nd:
             seq_lens = step.seq_lens[:nd]
             max_blocks = -(-max(seq_lens) // block_size)
             tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            if meta.kernels is not None:
+            if kernels is not None:
                 context_lens = torch.tensor(seq_lens, dtype=torch.long)
-                meta.decode_attention = DecodeAttention(meta.kernels, meta.decode_block_tables, context_lens)
+                meta.decode_attention = DecodeAttention(kernels, meta.decode_block_tables, context_lens)
             else:
                 lens = torch.tensor(seq_lens, device=device)
                 span = torch.arange(max_blocks * block_size, device=device)
@@ -79,47 +80,19 @@ class TorchPagedAttention(AttentionBackend):
         return meta
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
+        """The plain torch path (CUDA, or no C compiler). With the CPU kernels the model runs
+        ``engine.models.llama_cpu``, which writes the cache and attends to decodes in the kernels
+        (``metadata.decode_attention``) and shares ``attend_prefills`` with this path."""
         assert isinstance(metadata, TorchAttentionMetadata)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if metadata.kernels is not None:  # CPU: float32 or bfloat16 (float16 is refused on CPU)
-            metadata.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-        else:
-            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = torch.empty_like(q)
-
         nd = metadata.num_decodes
-        if nd and metadata.decode_attention is not None:
-            metadata.decode_attention(q, key_cache, value_cache, out, scale)
-        elif nd:
+        if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
-
-        for p in metadata.prefills:
-            s, n = p.token_start, p.num_tokens
-            # [1, heads, tokens, head_dim]: with a batch dimension CPU SDPA takes its flash kernel.
-            query = q[s : s + n].transpose(0, 1).unsqueeze(0)
-            if p.block_table is None:
-                o = F.scaled_dot_product_attention(
-                    query,
-                    k[s : s + n].transpose(0, 1).unsqueeze(0),
-                    v[s : s + n].transpose(0, 1).unsqueeze(0),
-                    is_causal=n > 1,
-                    scale=scale,
-                    enable_gqa=True,
-                )
-            else:
-                keys = key_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
-                values = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
-                o = F.scaled_dot_product_attention(
-                    query,
-                    keys.transpose(0, 1).unsqueeze(0),
-                    values.transpose(0, 1).unsqueeze(0),
-                    attn_mask=p.mask,
-                    scale=scale,
-                    enable_gqa=True,
-                )
-            out[s : s + n] = o[0].transpose(0, 1)
+        attend_prefills(q, k, v, key_cache, value_cache, metadata, scale, out)
         return out
 
     @staticmethod
@@ -147,3 +120,43 @@ class TorchPagedAttention(AttentionBackend):
         scores.masked_fill_(meta.decode_padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def attend_prefills(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: TorchAttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Each prefill chunk of the step through SDPA into its rows of ``out`` [T, Hq, D]; k/v [T,
+    Hkv, D] are the step's own keys and values, already written to the caches."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    for p in meta.prefills:
+        s, n = p.token_start, p.num_tokens
+        # [1, heads, tokens, head_dim]: with a batch dimension CPU SDPA takes its flash kernel.
+        query = q[s : s + n].transpose(0, 1).unsqueeze(0)
+        if p.block_table is None:
+            o = F.scaled_dot_product_attention(
+                query,
+                k[s : s + n].transpose(0, 1).unsqueeze(0),
+                v[s : s + n].transpose(0, 1).unsqueeze(0),
+                is_causal=n > 1,
+                scale=scale,
+                enable_gqa=True,
+            )
+        else:
+            keys = key_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
+            values = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
+            o = F.scaled_dot_product_attention(
+                query,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+        out[s : s + n] = o[0].transpose(0, 1)

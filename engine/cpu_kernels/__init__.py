@@ -120,6 +120,12 @@ class CPUKernels:
         except KeyError:
             raise TypeError(f"the CPU kernel {op} takes float32 or bfloat16, not {dtype}") from None
 
+    def raw(self, op: str, dtype: torch.dtype):
+        """The C function itself (ctypes, pointer and integer arguments as ``_SIGNATURES`` lists
+        them), for a caller that checks shapes, strides and dtypes once for many calls (the CPU
+        layer loop, ``engine.models.llama_cpu``); the methods below check every call."""
+        return self._fn(op, dtype)
+
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:

@@ -25,6 +25,7 @@
  * OpenMP inside is the runtime torch loaded, so this shares torch's thread pool; a thread
  * allocates its score buffer once per call, at its first item, not once per (sequence, KV head).
  */
+#include <omp.h>
 #include "common.h"
 
 #ifdef __AVX512F__
@@ -244,8 +245,11 @@ int NAME(const T *query, int64_t query_row_stride, const T *key_cache, const T *
     /* Runs of 8 consecutive items a grab (a sequence's KV heads, then the next sequence's): they    \
      * read neighbouring cache lines, and runs keep threads balanced when contexts differ. Cold     \
      * cache, one layer of 64 sequences: at 324 tokens each 1.40 ms against 1.52 for single items   \
-     * and 1.33 for one static run a thread; at 16-647 tokens (sorted) 1.72 against 1.91 and 2.17. */ \
-    _Pragma("omp for schedule(dynamic, 8)")                                                       \
+     * and 1.33 for one static run a thread; at 16-647 tokens (sorted) 1.72 against 1.91 and 2.17.  \
+     * A few items (batch 1: one per KV head) go one a grab: a run of 8 would give them all to the  \
+     * first thread to arrive and leave the others waiting at the barrier. */                       \
+    const int64_t run = num_items >= 16 * (int64_t)omp_get_num_threads() ? 8 : 1;                        \
+    _Pragma("omp for schedule(dynamic, run)")                                                     \
     for (int64_t item = 0; item < num_items; item++) {                                                  \
         if (buf == NULL) {                                                                               \
             buf = (float *)malloc(sizeof(float) * (size_t)group * (size_t)(longest_padded + 2 * head_dim)); \

@@ -2,7 +2,8 @@
 scaling variants Llama-family configs use: default, linear, llama3, dynamic is refused.
 
 cos/sin are computed once for every position in float32, exactly as transformers computes them,
-then cast to the model dtype; a step gathers rows by position (or the CPU kernel reads them in place).
+then cast to the model dtype; a step gathers rows by position (the CPU layer loop,
+``engine.models.llama_cpu``, has its kernel read them in place instead).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from common.errors import UnsupportedModelError
-from engine.cpu_kernels import CPUKernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -54,13 +54,12 @@ def inv_frequencies(params: dict, rotary_dim: int) -> torch.Tensor:
 
 @dataclass
 class RotaryInputs:
-    """One step's positions and the embedding's tables, shared by every layer. The torch path
-    gathers cos/sin rows once per step; the CPU kernel reads the tables by position in place."""
+    """One step's positions and the embedding's tables, shared by every layer: cos/sin rows are
+    gathered once per step."""
 
     positions: torch.Tensor
     cos_table: torch.Tensor
     sin_table: torch.Tensor
-    kernels: CPUKernels | None
     _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +70,7 @@ class RotaryInputs:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(
-        self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype, kernels: CPUKernels | None = None
-    ) -> None:
+    def __init__(self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = inv_frequencies(params, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -81,21 +78,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-        self.kernels = kernels
 
     def for_positions(self, positions: torch.Tensor) -> RotaryInputs:
-        if self.kernels is not None and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            # The kernel reads the tables by position unchecked; indexing them in torch would raise.
-            raise IndexError(f"position {int(positions.max())} is past the rotary tables ({self.cos.shape[0]})")
-        return RotaryInputs(positions, self.cos, self.sin, self.kernels)
+        return RotaryInputs(positions, self.cos, self.sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: RotaryInputs):
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. The CPU kernel rotates them
-    in place (they are views into this layer's fresh qkv output) and returns the same tensors."""
-    if rope.kernels is not None:
-        rope.kernels.rotary(q, k, rope.cos_table, rope.sin_table, rope.positions)
-        return q, k
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
     cos, sin = rope.cos_sin()
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

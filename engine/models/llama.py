@@ -20,6 +20,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, rope_parameters
+from engine.models.llama_cpu import forward_layers
 from engine.weights import TensorSource
 
 
@@ -38,6 +39,7 @@ class LlamaShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool  # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
     mlp_bias: bool
     rope: dict
 
@@ -57,6 +59,7 @@ class LlamaShape:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             rope=rope_parameters(config),
         )
@@ -68,7 +71,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads, shape.qkv_bias, tp, dtype
         )
-        self.o_proj = RowParallelLinear(shape.num_heads * shape.head_dim, shape.hidden_size, False, tp, dtype)
+        self.o_proj = RowParallelLinear(shape.num_heads * shape.head_dim, shape.hidden_size, shape.o_bias, tp, dtype)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = shape.head_dim
@@ -88,17 +91,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: LlamaShape, tp: TensorParallel, dtype: torch.dtype, kernels: CPUKernels | None):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, dtype: torch.dtype):
         super().__init__()
         size = shape.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, [size, size], shape.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(size, shape.hidden_size, shape.mlp_bias, tp, dtype)
-        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -106,14 +106,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """``forward(residual, delta)``: the residual stream and the previous layer's MLP output not yet
     added to it; returns the same pair. Each add happens inside the RMSNorm that follows it (one
-    pass over memory on CPU), and the last one in the model's final norm."""
+    pass over memory in the CPU kernel), and the last one in the model's final norm."""
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype, kernels):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype):
         super().__init__()
         self.self_attn = LlamaAttention(shape, tp, backend, dtype)
-        self.mlp = LlamaMLP(shape, tp, dtype, kernels)
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, kernels)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, kernels)
+        self.mlp = LlamaMLP(shape, tp, dtype)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
 
     def forward(self, residual, delta, kv_cache, meta, rope: RotaryInputs):
         attn_out = self.self_attn(self.input_layernorm(residual, delta), kv_cache, meta, rope)
@@ -121,17 +121,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The layer stack. With the CPU kernels (``kernels``) a step runs as one flat loop over the
+    layers (``engine.models.llama_cpu``), the modules only holding the weights; without them
+    (CUDA, or no C compiler) through the modules' own forward passes."""
+
     def __init__(self, shape, tp, backend, dtype, max_positions: int, kernels: CPUKernels | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, tp, backend, dtype, kernels) for _ in range(shape.num_layers)
-        )
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, kernels)
-        self.rotary_emb = RotaryEmbedding(shape.head_dim, max_positions, shape.rope, dtype, kernels)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, tp, backend, dtype) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(shape.head_dim, max_positions, shape.rope, dtype)
+        self.kernels = kernels
+        self.cpu_layers = None  # the layer loop's lookups of the layers' parts (engine.models.llama_cpu)
         self.layer_hook = None  # called as hook(i, kv_caches[i]) after layer i, e.g. to push its KV out
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        if self.kernels is not None:
+            return forward_layers(self, self.kernels, input_ids, positions, kv_caches, meta)
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
         delta = None
         rope = self.rotary_emb.for_positions(positions)

@@ -125,6 +125,6 @@ def test_plain_torch_path_matches_the_oracle_too(smol_dir, mixed_prompts, hf_smo
     monkeypatch.setattr(torch_paged, "kernels_for", lambda device: None)
     prompts = mixed_prompts[::3]
     with LLM(str(smol_dir), kv_cache_memory=128 * 2**20) as plain:
-        assert plain.engine.executor.driver.model.model.norm.kernels is None
+        assert plain.engine.executor.driver.model.model.kernels is None
         outputs = plain.generate(prompts, GREEDY)
     assert_matches_oracle(outputs, prompts, hf_smol, hf_reference, 12)
