@@ -321,13 +321,19 @@ class AsyncEngine:
             waiter.future.set_result(result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One hand-over per event loop and step, not one per request: each call_soon_threadsafe
+        # writes to the loop's wake-up pipe from this thread and may wake the loop's thread,
+        # which then takes a core from the step's parallel work (64 a step at batch 64).
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+                deliveries.setdefault(stream.loop, []).append((stream.outputs, output))
             watch = self._handoffs.get(output.request_id)
             if watch is not None and output.finished:
                 watch.output = output
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_put_each, items)
 
     def _check_handoffs(self) -> None:
         engine = self.engine
@@ -369,6 +375,11 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
             future.set_result(value)
 
     loop.call_soon_threadsafe(_set)
+
+
+def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, output in items:
+        outputs.put_nowait(output)
 
 
 def load_report(engine: LLMEngine) -> dict[str, Any]:

@@ -140,3 +140,34 @@ def test_a_factory_that_fails_fails_the_constructor_and_leaves_no_engine_thread(
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(build)
     assert set(threading.enumerate()) <= before  # its engine thread is gone, joined
+
+
+def test_a_step_hands_every_stream_its_output_in_one_wake_up_of_the_loop(replica):
+    """Eight requests decoding together: each step's outputs reach the event loop in one
+    call_soon_threadsafe, not eight (each one writes to the loop's wake-up pipe)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def run() -> tuple[int, int, list[list]]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            nonlocal wake_ups
+            # Outputs only (a finished call() resolves its future through this too).
+            if getattr(callback, "__name__", "") in ("_put_each", "put_nowait"):
+                wake_ups += 1
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        steps_before = replica.engine.num_steps
+        results = await asyncio.gather(
+            *(_generate(replica, f"s{i}", list(range(20 + i, 40 + i)), params) for i in range(8))
+        )
+        return wake_ups, replica.engine.num_steps - steps_before, results
+
+    wake_ups, steps, results = asyncio.run(run())
+    for outputs in results:
+        assert [t for o in outputs for t in o.outputs[0].new_token_ids] == outputs[-1].outputs[0].token_ids
+        assert len(outputs[-1].outputs[0].token_ids) == 6
+    assert steps >= 6 and wake_ups <= steps  # one hand-over per step at most (8 streams each)
