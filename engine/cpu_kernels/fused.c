@@ -90,10 +90,14 @@ DEFINE_ROTARY(rotary_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 /* bfloat16 with AVX-512 written out: gcc vectorizes the loops above, but at half width and with
  * each bf16 rounding as a dozen scalar-shaped steps, so bfloat16 ran at a third of float32's
  * speed per element (SiLU-and-mul over 2,048 x 1,536: 2.1 ms against 1.0). These compute the same
- * values, op for op and rounding for rounding (the round-to-nearest-even is the integer one of
- * bf16_round, NaN kept quiet), for every finite input; RMSNorm's sum of squares is added in another
- * order, and the exp clamps -inf to -87 where the portable arithmetic clamp gives NaN (SiLU of an
- * infinite gate is then +-inf here, NaN there). */
+ * values, op for op and rounding for rounding (round to nearest even, NaN kept quiet), for every
+ * finite input; RMSNorm's sum of squares is added in another order, and the exp clamps -inf to -87
+ * where the portable arithmetic clamp gives NaN (SiLU of an infinite gate is then +-inf here, NaN
+ * there). With AVX512_BF16 each rounding is the CPU's own conversion (vcvtneps2bf16, one
+ * instruction for the integer sequence of bf16_round: at 2,048 rows rotary 1.04 -> 0.38 ms,
+ * RMSNorm 0.40 -> 0.31, SiLU-and-mul 1.50 -> 1.32), which also flushes results below bf16's
+ * smallest normal (1.2e-38) to zero, as oneDNN's bf16 products do; elsewhere bf16_round's
+ * integer sequence, which keeps them. */
 #include <immintrin.h>
 
 static inline __mmask16 lanes_left(int32_t left) {
@@ -113,6 +117,16 @@ static inline __m512i bf16x16_round_bits(__m512 x) {
     return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
 }
 
+#ifdef __AVX512BF16__
+static inline void bf16x16_store(uint16_t *p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* ROUND_BF16: x rounded to bfloat16, widened back. */
+static inline __m512 bf16x16_value(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#else
 static inline void bf16x16_store(uint16_t *p, __m512 x, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16x16_round_bits(x), 16)));
 }
@@ -121,6 +135,7 @@ static inline void bf16x16_store(uint16_t *p, __m512 x, __mmask16 m) {
 static inline __m512 bf16x16_value(__m512 x) {
     return _mm512_castsi512_ps(_mm512_and_si512(bf16x16_round_bits(x), _mm512_set1_epi32((int)0xffff0000u)));
 }
+#endif
 
 /* exp_nonpositive on 16 lanes, step for step (no fused multiply-adds). */
 static inline __m512 exp_nonpositive16(__m512 x) {

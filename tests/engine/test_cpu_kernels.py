@@ -137,6 +137,24 @@ def test_rms_norm_with_and_without_the_residual_add(dtype, rows):
     torch.testing.assert_close(fused, torch_rms_norm(x + delta, weight, 1e-5), atol=TOLERANCE[dtype], rtol=0)
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return " avx512_bf16" in next((line for line in cpuinfo if line.startswith("flags")), "")
+
+
+def test_bfloat16_denormal_results_flush_to_zero_only_with_avx512_bf16():
+    """With AVX512_BF16 the kernels round through the CPU's conversion, which flushes results below
+    bf16's smallest normal to zero (as oneDNN's bf16 products do); elsewhere they keep torch's."""
+    x = torch.full((1, 64), 1e-39, dtype=torch.bfloat16)  # a bf16 denormal
+    delta = torch.full((1, 64), 1e-40, dtype=torch.bfloat16)
+    expected = x + delta
+    KERNELS.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5, residual_delta=delta)
+    if _cpu_has_avx512_bf16():
+        assert torch.equal(x, torch.zeros_like(x))
+    else:
+        assert torch.equal(x, expected) and expected.abs().min() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
