@@ -110,6 +110,9 @@ class CPUKernels:
                 fn = getattr(library, f"{op}_{suffix}")
                 fn.restype, fn.argtypes = restype, argtypes
                 self._fns[(op, dtype)] = fn
+        library.bf16_rounding_is_native.restype, library.bf16_rounding_is_native.argtypes = ctypes.c_int, []
+        # bf16 results round through vcvtneps2bf16, which flushes denormal results to zero (fused.c)
+        self.bf16_rounding_is_native = bool(library.bf16_rounding_is_native())
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in _SUFFIX
@@ -254,7 +257,7 @@ class CPUKernels:
     ) -> None:
         """In place on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (views with
         packed heads; rows may be strided); cos/sin the full [max_positions, head_dim] tables.
-        Positions must lie inside the tables (``RotaryEmbedding.for_positions`` checks once a step)."""
+        Positions must lie inside the tables (the CPU layer loop checks once a step)."""
         tokens, num_q_heads, head_dim = q.shape
         for t in (q, k):
             assert t.stride(2) == 1 and t.stride(1) == head_dim, "rotary needs packed heads"

@@ -249,3 +249,13 @@ void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T *key_cac
 
 DEFINE_WRITE_KV(write_kv_f32, float)
 DEFINE_WRITE_KV(write_kv_bf16, uint16_t)
+
+/* Whether bfloat16 results round through the CPU's conversion (and flush denormals): the build's
+ * answer, which -march=native and the compiler decide, not the CPU's flags alone. */
+int bf16_rounding_is_native(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}

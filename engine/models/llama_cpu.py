@@ -134,6 +134,9 @@ def forward_layers(
     cos_ptr, sin_ptr = model.rotary_emb.cos.data_ptr(), model.rotary_emb.sin.data_ptr()
     assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.shape == (rows,)
     decodes = meta.decode_attention.sequences if meta.decode_attention is not None else None
+    # The backend binds the decodes' tables only where it found the kernels too; without them
+    # the decode rows of attn_out would stay unwritten.
+    assert meta.num_decodes == 0 or decodes is not None, "decode steps need the kernel's tables (build_metadata)"
     delta: torch.Tensor | None = None  # the previous layer's MLP output, added inside the next norm
 
     for i, (layer, kv_cache) in enumerate(zip(_layers(model), kv_caches, strict=True)):

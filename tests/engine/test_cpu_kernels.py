@@ -137,19 +137,14 @@ def test_rms_norm_with_and_without_the_residual_add(dtype, rows):
     torch.testing.assert_close(fused, torch_rms_norm(x + delta, weight, 1e-5), atol=TOLERANCE[dtype], rtol=0)
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return " avx512_bf16" in next((line for line in cpuinfo if line.startswith("flags")), "")
-
-
-def test_bfloat16_denormal_results_flush_to_zero_only_with_avx512_bf16():
+def test_bfloat16_denormal_results_flush_to_zero_only_with_native_bf16_rounding():
     """With AVX512_BF16 the kernels round through the CPU's conversion, which flushes results below
     bf16's smallest normal to zero (as oneDNN's bf16 products do); elsewhere they keep torch's."""
     x = torch.full((1, 64), 1e-39, dtype=torch.bfloat16)  # a bf16 denormal
     delta = torch.full((1, 64), 1e-40, dtype=torch.bfloat16)
     expected = x + delta
     KERNELS.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5, residual_delta=delta)
-    if _cpu_has_avx512_bf16():
+    if KERNELS.bf16_rounding_is_native:
         assert torch.equal(x, torch.zeros_like(x))
     else:
         assert torch.equal(x, expected) and expected.abs().min() > 0

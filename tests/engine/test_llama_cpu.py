@@ -92,14 +92,16 @@ def test_every_step_kind_agrees_with_the_module_path(biased_dir, monkeypatch):
         for q, seq in zip(s.query_lens[s.num_decodes :], s.seq_lens[s.num_decodes :], strict=True)
     )
     assert any(later_chunks), "some prefill chunk should read earlier context from the cache"
-    for step in steps:
-        ours = loop.execute(step)
-        with monkeypatch.context() as patch:  # the module path's metadata: masks, not the kernel's tables
-            patch.setattr(torch_paged, "kernels_for", lambda device: None)
-            theirs = modules.execute(step)
-        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), f"step with {step.num_decodes} decodes differs"
-    for runner in (loop, modules):
-        runner.close()
+    try:
+        for step in steps:
+            ours = loop.execute(step)
+            with monkeypatch.context() as patch:  # the module path's metadata: masks, not the kernel's tables
+                patch.setattr(torch_paged, "kernels_for", lambda device: None)
+                theirs = modules.execute(step)
+            assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), f"step with {step.num_decodes} decodes differs"
+    finally:
+        loop.close()
+        modules.close()
 
 
 def test_a_position_past_the_rotary_tables_is_refused(tiny_dir, monkeypatch):
@@ -116,3 +118,23 @@ def _one_token_step(position: int):
     from engine.step_input import StepInput
 
     return StepInput([5], [position], [0], 0, [1], [1], [[0]], [0])
+
+
+def test_bfloat16_layer_loop_with_biases_stays_close_to_float32(biased_dir):
+    """The bf16 loop (oneDNN's packed products, biases fused into them where the CPU packs) against
+    transformers in float32: bf16 keeps ~3 significant digits, a lost bias moves logits far more."""
+    from tests.engine.test_model_parity import prefill_step
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(biased_dir), dtype="bfloat16"), cache=CacheConfig(kv_cache_memory=8 * 2**20)
+    )
+    runner = ModelRunner(config, biased_dir, TensorParallel.single(torch.device("cpu")))
+    try:
+        assert runner.model.model.kernels is not None and runner.dtype == torch.bfloat16
+        token_ids = [(13 * i + 5) % 30000 + 50 for i in range(40)]
+        ours = runner.execute(prefill_step(token_ids, [0, 1, 2], 16))
+    finally:
+        runner.close()
+    with torch.no_grad():
+        ref = load_hf(biased_dir)(torch.tensor([token_ids])).logits[0]
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.05
