@@ -60,7 +60,7 @@ class TorchPagedAttention(AttentionBackend):
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
             if kernels is not None:
                 context_lens = torch.tensor(seq_lens, dtype=torch.long)
-                meta.decode_attention = DecodeAttention(kernels, meta.decode_block_tables, context_lens)
+                meta.decode_attention = DecodeAttention(meta.decode_block_tables, context_lens)
             else:
                 lens = torch.tensor(seq_lens, device=device)
                 span = torch.arange(max_blocks * block_size, device=device)

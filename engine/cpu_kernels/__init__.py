@@ -324,24 +324,18 @@ class SequencePointers:
 
 
 class DecodeAttention:
-    """``CPUKernels.paged_attention`` with one query row per sequence, bound to one step's block
-    tables and context lengths, checked once: every layer of the step reuses them."""
+    """The attention kernel's arguments for a step's decodes (one query row per sequence), bound
+    to the step's block tables and context lengths and checked once: every layer of the step
+    passes ``sequences`` to the kernel (``engine.models.llama_cpu``)."""
 
-    def __init__(self, kernels: CPUKernels, block_tables: torch.Tensor, context_len: torch.Tensor) -> None:
+    def __init__(self, block_tables: torch.Tensor, context_len: torch.Tensor) -> None:
         num_seqs = len(context_len)
         starts, ones = torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.int64)
         for t in (block_tables, context_len):
             assert t.dtype == torch.int64 and t.is_contiguous()
         assert block_tables.shape[0] == num_seqs
-        self.kernels = kernels
         self._tensors = (block_tables, context_len, starts, ones)  # kept alive for the pointers
         self.sequences = SequencePointers.of(block_tables, starts, ones, context_len)
-
-    def __call__(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor, scale: float
-    ) -> None:
-        """query/out [>= num_seqs, heads, head_dim]: rows 0..num_seqs-1 are the decodes."""
-        self.kernels._attend(query, key_cache, value_cache, out, self.sequences, scale)
 
 
 def load(path: Path) -> CPUKernels:

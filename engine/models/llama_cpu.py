@@ -83,10 +83,10 @@ def _layers(model) -> list[_Layer]:
 
 def _check_step(model, kv_caches: list[torch.Tensor], positions: torch.Tensor, dtype: torch.dtype) -> None:
     """What the kernels trust, checked once a step: a mistake would read or write out of bounds."""
-    shape = model.layers[0].self_attn
+    attn = model.layers[0].self_attn
     for kv_cache in kv_caches:
         assert kv_cache.is_contiguous() and kv_cache.dtype == dtype, "KV caches must be contiguous, model dtype"
-        assert kv_cache.shape[3:] == (shape.num_kv_heads, shape.head_dim), "KV cache heads differ from the model's"
+        assert kv_cache.shape[3:] == (attn.num_kv_heads, attn.head_dim), "KV cache heads differ from the model's"
     assert kv_caches[0].shape[2] & (kv_caches[0].shape[2] - 1) == 0, "block size must be a power of two"
     assert positions.dtype == torch.int64 and positions.is_contiguous()
     if positions.numel() and int(positions.max()) >= model.rotary_emb.cos.shape[0]:
