@@ -261,7 +261,8 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
         server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s, spec.cores)
     else:
         lease = (config.router.kv_lease_s, config.router.kv_lease_per_token_s)
-        server, args = DecodeServer, (engine_config.to_dict(), launcher, lease, timeout_s, spec.cores)
+        args = (engine_config.to_dict(), launcher, lease, timeout_s, spec.cores, config.stream_interval)
+        server = DecodeServer
     return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)
 
 

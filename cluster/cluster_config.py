@@ -121,6 +121,9 @@ class ClusterConfig:
     # Off by default: a CRC-32 of every layer on both sides (~4 GB/s here) plus a gather each costs
     # several times the transfer itself (~30 ms more for a 1k-token SmolLM2 prompt). Tests turn it on.
     kv_checksums: bool = False
+    # Tokens per streamed chunk after the first (vLLM's --stream-interval): fewer chunks cost less
+    # CPU on every hop, at the price of burstier streams (decode_pool/stream_interval.py).
+    stream_interval: int = 1
     host: str = "127.0.0.1"
     port: int = 8000  # 0: pick a free port
     ray_address: str | None = None  # None: start a local Ray
@@ -136,6 +139,8 @@ class ClusterConfig:
             raise ConfigError(f"transport='inproc' cannot cross processes; use one of {', '.join(TRANSPORTS)}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r} is not supported; use one of {', '.join(TRANSPORTS)}")
+        if type(self.stream_interval) is not int or self.stream_interval < 1:
+            raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in 0..65535 (0 picks a free port)")
         if not self.host:

@@ -32,6 +32,7 @@ FLAG_KEYS = {
     "port": "port",
     "dtype": "dtype",
     "transport": "transport",
+    "stream_interval": "stream_interval",
     "kv_cache_memory": "kv_cache_memory",
     "prefill_replicas": "prefill.replicas",
     "decode_replicas": "decode.replicas",
@@ -53,6 +54,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--transport", choices=["shm", "grpc", "torch", "tcp"], help="KV transport between pools")
+    parser.add_argument(
+        "--stream-interval", type=int, help="tokens per streamed chunk after the first (default 1: every token)"
+    )
     parser.add_argument("--kv-cache-memory", type=float, help="per shard: a fraction in (0, 1] or bytes")
     parser.add_argument("--prefill-replicas", type=int)
     parser.add_argument("--decode-replicas", type=int)

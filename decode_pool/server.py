@@ -23,6 +23,7 @@ from common.errors import InvalidRequestError, OverloadedError
 from common.outputs import RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
+from decode_pool.stream_interval import every_n_tokens
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
 from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
@@ -68,6 +69,7 @@ class DecodeServer(EngineReplica):
         kv_lease: tuple[float, float] = (30.0, 0.0),
         item_timeout_s: float = 600.0,
         cores: int | None = None,
+        stream_interval: int = 1,
     ) -> None:
         config = EngineConfig.from_dict(engine_config)
         limit = config.scheduler.max_num_waiting
@@ -78,6 +80,7 @@ class DecodeServer(EngineReplica):
         self.kv_lease_s, self.kv_lease_per_token_s = kv_lease  # base, and per prompt token
         self.item_timeout_s = item_timeout_s
         self.reserve_timeout_s = min(self.kv_lease_s, item_timeout_s)
+        self.stream_interval = stream_interval  # tokens per delta after the first (decode_pool.stream_interval)
         logger.info("decode replica %s ready (%s)", self.replica_id, config.scheduler.role.value)
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TicketIssued | StreamDelta]:
@@ -107,7 +110,10 @@ class DecodeServer(EngineReplica):
             self.engine.close_stream(request_id)
             self.engine.abort_soon(request_id)
             raise
-        async for batch in self.engine.stream(request_id, outputs, self.item_timeout_s):
+        batches = self.engine.stream(request_id, outputs, self.item_timeout_s)
+        if self.stream_interval > 1:
+            batches = every_n_tokens(batches, self.stream_interval)
+        async for batch in batches:
             yield to_delta(batch, self.replica_id)
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:

@@ -135,6 +135,7 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
         ({"block_size": 12}, r"block_size=12 must be a power of two"),
         ({"kv_cache_memory": 1.5}, r"kv_cache_memory=1.5"),
         ({"port": 70000}, r"port=70000 must be in 0\.\.65535"),
+        ({"stream_interval": 0}, r"stream_interval=0 must be an integer >= 1"),
         ({"prefill.tensor_parallel_size": 0}, r"^prefill\.tensor_parallel_size=0 must be >= 1"),
         ({"decode.replicas": 0}, r"^decode\.replicas=0 must be >= 1"),
         ({"colocated.max_num_seqs": 0}, r"^colocated\.max_num_seqs=0 must be >= 1"),

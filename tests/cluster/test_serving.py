@@ -117,6 +117,24 @@ def test_colocated_greedy_matches_transformers(cluster, expected):
     check_greedy(cluster, expected)
 
 
+def test_stream_interval_sends_the_first_token_alone_then_n_at_a_time_with_the_same_text(cluster, expected):
+    cluster.ensure(mode="colocated", stream_interval=4)
+    api = client(cluster)
+    assert complete(api, PROMPTS[1], stream=True) == expected(PROMPTS[1])
+    chunks = api.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        logprobs=0,  # one entry per token: how many tokens each chunk carried
+        extra_body={"ignore_eos": True},
+    )
+    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sizes == [1, 4, 4, 3], sizes  # 12 tokens; with interval 1 it would be twelve 1s
+    cluster.wait_idle()
+
+
 # --- under load, errors, disconnects (prefill TP=3 → decode TP=1 over shared memory) ------------
 def test_32_concurrent_streams_each_get_their_own_tokens(cluster, expected):
     cluster.ensure(**DISAGG, transport="shm")
