@@ -14,6 +14,7 @@ mode the same replica runs the prefill too: no ticket, the deltas start at once.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from collections.abc import AsyncIterator
@@ -110,11 +111,11 @@ class DecodeServer(EngineReplica):
             self.engine.close_stream(request_id)
             self.engine.abort_soon(request_id)
             raise
-        batches = self.engine.stream(request_id, outputs, self.item_timeout_s)
-        if self.stream_interval > 1:
-            batches = every_n_tokens(batches, self.stream_interval)
-        async for batch in batches:
-            yield to_delta(batch, self.replica_id)
+        # aclosing: a caller gone while tokens are held back still aborts the request now.
+        async with contextlib.aclosing(self.engine.stream(request_id, outputs, self.item_timeout_s)) as stream:
+            batches = every_n_tokens(stream, self.stream_interval) if self.stream_interval > 1 else stream
+            async for batch in batches:
+                yield to_delta(batch, self.replica_id)
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
         """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""
