@@ -16,7 +16,8 @@ from common.outputs import RequestOutput
 
 async def every_n_tokens(batches: AsyncIterator[list[RequestOutput]], n: int) -> AsyncIterator[list[RequestOutput]]:
     """The request's outputs regrouped: the first batch as it comes, then a batch once ``n`` new
-    tokens are held or the request finished (errors and aborts finish it too)."""
+    tokens are held or the request finished (errors and aborts finish it too). ``batches`` ends
+    only after a finished output (AsyncEngine.stream), so nothing is left held at its end."""
     held: list[RequestOutput] = []
     num_held = 0
     first = True
@@ -26,5 +27,3 @@ async def every_n_tokens(batches: AsyncIterator[list[RequestOutput]], n: int) ->
         if first or num_held >= n or held[-1].finished:
             yield held
             held, num_held, first = [], 0, False
-    if held:  # the stream ended without a finished output (it should not): nothing is kept back
-        yield held
