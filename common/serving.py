@@ -47,6 +47,10 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     replica_id: str = ""
+    # On the finished delta only, from the engine that ran the request: arrival to first scheduled,
+    # and first scheduled to first token (colocated: the prompt's queue and prefill times).
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,11 @@ class PrefillResult:
     error: str | None = None  # the hand-off failed; the decode side ends the request too
     replica_id: str = ""
     first_logprob: TokenLogprob | None = None  # when asked for: the decode side does not get it
+    queue_time_s: float | None = None  # arrival on the replica to the first chunk scheduled
+    prefill_time_s: float | None = None  # first chunk scheduled to the prompt computed
+    kv_bytes: int = 0  # KV this replica's shards sent, all of them together
+    kv_transfer_s: float | None = None  # first chunk sent to the last acknowledged (slowest shard)
+    kv_exposed_s: float | None = None  # prompt computed to hand-off acknowledged: what overlap did not hide
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +94,13 @@ class ReplicaReport:
     prefix_cache_hit_rate: float = 0.0
     cpu_cores: list[int] = field(default_factory=list)  # CPU: the cores the replica runs on
     cpu_cores_shared: list[int] = field(default_factory=list)  # of those, shared (oversubscribed)
+    # Counters since the replica started (a scraper takes their rates).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_handoff: int = 0  # prefill: requests whose KV is on the wire (tickets outstanding)
+    num_kv_lease_expirations: int = 0
+    num_kv_transfer_failures: int = 0
 
     @property
     def kv_usage(self) -> float:

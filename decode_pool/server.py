@@ -42,12 +42,20 @@ class DecodeState(str, enum.Enum):
     FAILED = "failed"
 
 
-def to_delta(outputs: list[RequestOutput], replica_id: str) -> StreamDelta:
-    """One delta for consecutive outputs of a request (the last one's state, every one's tokens)."""
+def to_delta(outputs: list[RequestOutput], replica_id: str, with_timings: bool = False) -> StreamDelta:
+    """One delta for consecutive outputs of a request (the last one's state, every one's tokens).
+    ``with_timings`` (colocated: this engine ran the prompt too): the finished delta carries the
+    prompt's queue and prefill times."""
     last = outputs[-1]
     completion = last.outputs[0]
     new_ids = [t for o in outputs for t in o.outputs[0].new_token_ids]
     logprobs = [lp for o in outputs for lp in (o.outputs[0].new_logprobs or ())]
+    queue_time_s = prefill_time_s = None
+    metrics = last.metrics
+    if with_timings and last.finished and metrics is not None and metrics.first_scheduled_time is not None:
+        queue_time_s = metrics.first_scheduled_time - metrics.arrival_time
+        if metrics.first_token_time is not None:
+            prefill_time_s = metrics.first_token_time - metrics.first_scheduled_time
     return StreamDelta(
         request_id=last.request_id,
         new_token_ids=new_ids,
@@ -59,6 +67,8 @@ def to_delta(outputs: list[RequestOutput], replica_id: str) -> StreamDelta:
         num_prompt_tokens=len(last.prompt_token_ids),
         num_cached_tokens=last.num_cached_tokens,
         replica_id=replica_id,
+        queue_time_s=queue_time_s,
+        prefill_time_s=prefill_time_s,
     )
 
 
@@ -115,7 +125,7 @@ class DecodeServer(EngineReplica):
         async with contextlib.aclosing(self.engine.stream(request_id, outputs, self.item_timeout_s)) as stream:
             batches = every_n_tokens(stream, self.stream_interval) if self.stream_interval > 1 else stream
             async for batch in batches:
-                yield to_delta(batch, self.replica_id)
+                yield to_delta(batch, self.replica_id, self.colocated)
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
         """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from common.errors import OverloadedError
 from common.outputs import CompletionOutput, RequestOutput
+from engine.kv_handoff import SentKV
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,16 @@ class _RoomWaiter:
     fn: Callable[[LLMEngine], Any]
     future: concurrent.futures.Future
     deadline: float  # time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffEnded:
+    """What a prefill-role request's caller learns once its KV hand-off has ended."""
+
+    output: RequestOutput | None  # the prefilled output; None when the engine failed
+    failure: str | None
+    sent: SentKV | None = None  # the transfer's figures, when it started
+    ended_at: float | None = None  # time.monotonic() on the engine thread when the end was seen
 
 
 @dataclass(slots=True)
@@ -177,7 +188,7 @@ class AsyncEngine:
 
     def watch_handoff(self, engine: LLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """Prefill role, on the engine thread (inside ``call``, before the request is added): a future
-        resolved with (finished output, failure or None) once the request's KV hand-off ends."""
+        resolved with a HandoffEnded once the request's KV hand-off ends."""
         watch = HandoffWatch(loop, loop.create_future())
         self._handoffs[request_id] = watch
         return watch.future
@@ -339,6 +350,8 @@ class AsyncEngine:
         engine = self.engine
         for request_id in [r for r in engine.transfer_failures if r not in self._handoffs]:
             del engine.transfer_failures[request_id]  # nobody waits for it (aborted): only logged
+        for request_id in [r for r in engine.transfers_sent if r not in self._handoffs]:
+            del engine.transfers_sent[request_id]
         for request_id, watch in list(self._handoffs.items()):
             if watch.output is None:
                 continue
@@ -348,7 +361,8 @@ class AsyncEngine:
             if watch.output.error is not None:
                 failure = watch.output.error
             del self._handoffs[request_id]
-            _resolve(watch.loop, watch.future, (watch.output, failure))
+            sent = engine.transfers_sent.pop(request_id, None)
+            _resolve(watch.loop, watch.future, HandoffEnded(watch.output, failure, sent, time.monotonic()))
 
     def _fail_all(self, error: str) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -356,7 +370,7 @@ class AsyncEngine:
             failed = RequestOutput(request_id, None, [], [completion], finished=True, error=error)
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, failed)
         for watch in list(self._handoffs.values()):
-            _resolve(watch.loop, watch.future, (None, error))
+            _resolve(watch.loop, watch.future, HandoffEnded(None, error))
         self._handoffs.clear()
         while self._room_waiters:
             self._finish_waiter(self._room_waiters.popleft(), error=RuntimeError(f"the engine stopped: {error}"))
@@ -395,4 +409,10 @@ def load_report(engine: LLMEngine) -> dict[str, Any]:
         "num_blocks_held": engine.num_blocks_held(),
         "max_model_len": engine.max_model_len,
         "prefix_cache_hit_rate": stats.kv.hit_rate,
+        "prefix_cache_queried_tokens": stats.kv.num_queried_tokens,
+        "prefix_cache_hit_tokens": stats.kv.num_hit_tokens,
+        "num_preemptions": stats.num_preemptions,
+        "num_handoff": stats.num_handoff,
+        "num_kv_lease_expirations": engine.num_kv_lease_expirations,
+        "num_kv_transfer_failures": engine.num_kv_transfer_failures,
     }

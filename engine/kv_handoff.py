@@ -19,9 +19,19 @@ from engine.scheduler import SchedulerOutput
 _DONE, _FAILED = 2, 3
 
 
+@dataclass(frozen=True, slots=True)
+class SentKV:
+    """A prefill request's hand-off, ended on every shard."""
+
+    request_id: str
+    failure: str | None
+    seconds: float | None  # the slowest shard's first chunk to its last acknowledgement
+    num_bytes: int  # every shard's bytes together
+
+
 @dataclass(slots=True)
 class HandoffResult:
-    sent: list[tuple[str, str | None]] = field(default_factory=list)  # (request id, failure or None)
+    sent: list[SentKV] = field(default_factory=list)
     received: list[tuple[str, int]] = field(default_factory=list)  # (request id, first token id)
     failed_receives: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
 
@@ -68,7 +78,9 @@ class KVHandoff:
             if len(states) < self.num_shards or any(s[0] < _DONE for s in states):
                 continue
             failure = next((s[1] or "failed" for s in states if s[0] == _FAILED), None)
-            result.sent.append((request_id, failure))
+            times = [s[2] for s in states if len(s) > 2 and s[2] is not None]
+            num_bytes = sum(s[3] for s in states if len(s) > 3)
+            result.sent.append(SentKV(request_id, failure, max(times) if times else None, num_bytes))
             self.sending.discard(request_id)
             self._forget.append(request_id)
         for request_id in list(self.receiving):

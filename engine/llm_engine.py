@@ -23,7 +23,7 @@ from common.sampling_params import SamplingParams
 from engine.executor import Executor, WorkerLauncher
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector import model_fingerprint
-from engine.kv_handoff import KVHandoff
+from engine.kv_handoff import KVHandoff, SentKV
 from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
@@ -70,6 +70,9 @@ class LLMEngine:
         self._outputs_outside_step: list[RequestOutput] = []
         self.handoff = KVHandoff(config.parallel.tensor_parallel_size) if self.executor.has_connector else None
         self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
+        self.transfers_sent: dict[str, SentKV] = {}  # prefill role: ended hand-offs, until their caller takes them
+        self.num_kv_lease_expirations = 0
+        self.num_kv_transfer_failures = 0
 
     @property
     def kv_caches(self):
@@ -259,10 +262,13 @@ class LLMEngine:
     def _apply_handoff(self, reports: list[dict]) -> None:
         assert self.handoff is not None
         result = self.handoff.merge(reports)
-        for request_id, failure in result.sent:
-            if failure is not None:
-                self.transfer_failures[request_id] = failure
-                logger.warning("KV hand-off of %s failed: %s", request_id, failure)
+        for sent in result.sent:
+            request_id = sent.request_id
+            if sent.failure is not None:
+                self.transfer_failures[request_id] = sent.failure
+                self._count_transfer_failure(sent.failure)
+                logger.warning("KV hand-off of %s failed: %s", request_id, sent.failure)
+            self.transfers_sent[request_id] = sent
             self.scheduler.release(request_id)  # every shard is done reading the source blocks
         for request_id, first_token in result.received:
             self.kv_ready(request_id, first_token)
@@ -273,7 +279,13 @@ class LLMEngine:
             self.executor.connector_step({"sends": [], "expects": [], "forget": forget})
             self.executor.finish_step(None)
         for request_id, reason in result.failed_receives:
+            self._count_transfer_failure(reason)
             self.abort_request(request_id, error=reason)
+
+    def _count_transfer_failure(self, reason: str) -> None:
+        self.num_kv_transfer_failures += 1
+        if "lease expired" in reason:  # the sender's and the receiver's wording (kv_transfer)
+            self.num_kv_lease_expirations += 1
 
     # --- introspection ---------------------------------------------------------------------
     def can_accept(self) -> bool:

@@ -2,7 +2,10 @@
 
 A prefill shard pushes each layer of the requests whose prompt completes this step, right after
 the layer is computed; a decode shard serves a receiver and registers the tickets it expects.
-Reports (msgpack-able) tell the driver each open transfer's state on this shard.
+Reports (msgpack-able) tell the driver each open transfer's state on this shard:
+
+    {"sends":    {request_id: [state, reason, seconds | None, bytes]},   # seconds, bytes once terminal
+     "receives": {request_id: [state, reason, first_token_id]}}
 
 meta = {"sends":   [{"ticket": KVTicket dict, "block_ids": [...]}],   # prefill: push these
         "expects": [KVTicket dict],                                   # decode: accept these
@@ -91,7 +94,9 @@ class TransferConnector:
                 sends[request_id] = [int(TransferState.FAILED), refused]
             else:
                 status = self.sender.poll(request_id)
-                sends[request_id] = [int(status.state), status.reason]
+                stats = self.sender.stats(request_id) if status.state.is_terminal else None
+                seconds = stats.total_time_s if stats is not None else None
+                sends[request_id] = [int(status.state), status.reason, seconds, stats.num_bytes if stats else 0]
         receives = {rid: [int(TransferState.FAILED), reason, None] for rid, reason in self._refused_receives.items()}
         if self.receiver is not None:
             for request_id in self._open_receives:

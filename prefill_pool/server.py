@@ -19,8 +19,10 @@ import logging
 
 from common.config import EngineConfig
 from common.errors import InvalidRequestError, OverloadedError
+from common.outputs import RequestMetrics
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest
+from engine.async_engine import HandoffEnded
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
 from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
@@ -66,7 +68,7 @@ class PrefillServer(EngineReplica):
         try:
             params = SamplingParams.from_dict(request.sampling)
             done = await self.engine.call(add)
-            output, failure = await asyncio.wait_for(done, self.timeout_s)
+            ended: HandoffEnded = await asyncio.wait_for(done, self.timeout_s)
         except (InvalidRequestError, OverloadedError) as exc:
             self.engine.abort_soon(request_id)
             kind = "overloaded" if isinstance(exc, OverloadedError) else "invalid_request"
@@ -74,14 +76,32 @@ class PrefillServer(EngineReplica):
         except BaseException:  # cancelled by the router, timed out, engine gone: stop computing it
             self.engine.abort_soon(request_id)
             raise
+        output = ended.output
         if output is None:
-            return PrefillResult(request_id, None, 0, failure or "prefill failed", self.replica_id)
+            return PrefillResult(request_id, None, 0, ended.failure or "prefill failed", self.replica_id)
         completion = output.outputs[0]
         return PrefillResult(
             request_id,
             completion.token_ids[0] if completion.token_ids else None,
             output.num_cached_tokens,
-            failure,
+            ended.failure,
             self.replica_id,
             first_logprob=completion.logprobs[0] if completion.logprobs else None,
+            **_timings(output.metrics, ended),
         )
+
+
+def _timings(metrics: RequestMetrics | None, ended: HandoffEnded) -> dict:
+    """The request's phases on this replica, for the router's metrics (one clock: this process's)."""
+    facts: dict = {}
+    if ended.sent is not None:
+        facts["kv_bytes"] = ended.sent.num_bytes
+        facts["kv_transfer_s"] = ended.sent.seconds
+    if metrics is None or metrics.first_scheduled_time is None:
+        return facts
+    facts["queue_time_s"] = metrics.first_scheduled_time - metrics.arrival_time
+    if metrics.first_token_time is not None:
+        facts["prefill_time_s"] = metrics.first_token_time - metrics.first_scheduled_time
+        if ended.sent is not None and ended.ended_at is not None:
+            facts["kv_exposed_s"] = max(0.0, ended.ended_at - metrics.first_token_time)
+    return facts

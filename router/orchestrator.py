@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
@@ -67,6 +67,27 @@ def raise_for_pool_error(error: str) -> None:
         raise OverloadedError(message)
 
 
+class AttemptObserver(Protocol):
+    """What the orchestrator tells the router's metrics (router.metrics.RouterMetrics is one)."""
+
+    def prefill_reply(self, result: PrefillResult) -> None: ...
+
+    def retried(self) -> None: ...
+
+    def migrated(self) -> None: ...
+
+
+class _NoObserver:
+    def prefill_reply(self, result: PrefillResult) -> None:
+        pass
+
+    def retried(self) -> None:
+        pass
+
+    def migrated(self) -> None:
+        pass
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -75,6 +96,7 @@ class Orchestrator:
         request_timeout_s: float = 600.0,
         max_retries: int = 1,
         detokenize: Callable[[list[int], bool], str] | None = None,
+        observer: AttemptObserver | None = None,
     ) -> None:
         self.decode = decode
         self.prefill = prefill  # None: colocated
@@ -83,6 +105,7 @@ class Orchestrator:
         self.detokenize = detokenize  # (ids, skip_special_tokens) -> text; for resumed streams
         self.num_retries = 0
         self.num_resumes = 0
+        self.observer: AttemptObserver = observer or _NoObserver()
 
     async def run(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
@@ -148,8 +171,10 @@ class Orchestrator:
                 attempt += 1
                 if sent_ids:
                     self.num_resumes += 1
+                    self.observer.migrated()
                 else:
                     self.num_retries += 1
+                    self.observer.retried()
                 logger.warning(
                     "request %s: %s; attempt %d %s", request_id, exc, attempt, "resumes" if sent_ids else "retries"
                 )
@@ -189,6 +214,7 @@ class Orchestrator:
                             task, prefill_task = prefill_task, None
                             span.add_event("prefill_done")
                             prefilled = _check_prefill(task, request.request_id)
+                            self.observer.prefill_reply(prefilled)
                         delta = await next_item
                     except BaseException:
                         _discard(next_item)
@@ -213,6 +239,8 @@ class Orchestrator:
                     prefilled = await _prefill_facts(prefill_task, request.request_id)
                     prefill_task = None
                     span.add_event("prefill_done")
+                    if prefilled is not None:
+                        self.observer.prefill_reply(prefilled)
                 if prefilled is not None:
                     delta = _with_prefill_facts(delta, prefilled, num_yielded == 0, request)
                 finished = delta.finish_reason is not None

@@ -50,7 +50,7 @@ _UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v is None or v == {"type": "text"},
 }
 KNOWN_FIELDS = frozenset(
-    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options"}
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "cache_salt"}
     | {"logprobs", "top_logprobs", "echo", *_SAMPLING_FIELDS, *_HARMLESS_FIELDS, *_UNSUPPORTED_FIELDS}
 )
 
@@ -107,6 +107,10 @@ class ParsedRequest:
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
     echo: bool = False
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's field: prompts share cached KV only under one salt
+
+
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def decode_body(raw: bytes) -> object:
@@ -157,6 +161,7 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {user!r}", param="user")
+    cache_salt = _cache_salt(body.get("cache_salt"))
 
     kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     renames: dict[str, str] = {}  # SamplingParams field -> the wire field it came from, for error params
@@ -185,7 +190,21 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         sampling = SamplingParams(**kwargs)
     except InvalidRequestError as exc:
         raise ApiError(400, exc.message, param=renames.get(exc.param or "", exc.param), code=exc.code) from exc
-    return ParsedRequest(kind, model, prompt, messages, sampling, stream, include_usage, logprobs, echo, user)
+    return ParsedRequest(
+        kind, model, prompt, messages, sampling, stream, include_usage, logprobs, echo, user, cache_salt
+    )
+
+
+def _cache_salt(salt: object) -> str | None:
+    """A salt is mixed into the hash of the prompt's first block, so two requests share cached KV
+    only when their salts are equal (vLLM's rule: a non-empty string)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, f"cache_salt must be a non-empty string, got {salt!r}", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt is over {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    return salt
 
 
 def _optional_bool(body: dict[str, Any], name: str) -> bool:

@@ -141,6 +141,10 @@ async def _await(response: Any) -> Any:
     return await response
 
 
+def _without_hashes(report: dict) -> dict:
+    return {key: value for key, value in report.items() if key != "recent_block_hashes"}
+
+
 def _over_grpc(handle: Any) -> Any:
     """The pool handle calling its replicas over Serve's gRPC transport (what Serve's throughput
     settings pick by default; this holds however the driver that bound the handles was set up):
@@ -178,13 +182,17 @@ class RouterServer:
         self.served_model = served_model
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vocab_size = len(self.tokenizer)
-        self.orchestrator = Orchestrator(decode, prefill, request_timeout_s, max_retries, self._detokenize)
+        from router.routing_state import latest_reports
+
+        self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
+        self.orchestrator = Orchestrator(
+            decode, prefill, request_timeout_s, max_retries, self._detokenize, observer=self.metrics
+        )
         self.max_concurrent_requests = max_concurrent_requests
         self.max_body_bytes = max_body_bytes
         self.num_in_flight = 0
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
-        self.metrics = RouterMetrics(mode)
         self.created = int(time.time())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -203,6 +211,7 @@ class RouterServer:
         api.add_api_route("/v1/models", self.models, methods=["GET"])
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/pdserve/status", self.status, methods=["GET"])
+        api.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return _RequestIds(api)
@@ -240,9 +249,21 @@ class RouterServer:
             return JSONResponse({"status": "unavailable", "pools_down": down}, status_code=503)
         return JSONResponse({"status": "ok", "mode": self.mode})
 
+    async def prometheus_metrics(self) -> Response:
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
     async def status(self) -> dict:
         from router.routing_state import latest_reports
 
+        # Block hashes stay inside the router: they tell what other tenants' prompts begin with.
+        pools = {
+            pool: [
+                {**_without_hashes(report), "num_recent_blocks": len(report.get("recent_block_hashes", ()))}
+                for report in reports
+            ]
+            for pool, reports in latest_reports().items()
+        }
         return {
             "mode": self.mode,
             "model": self.served_model,
@@ -250,7 +271,7 @@ class RouterServer:
             "requests": [
                 {"request_id": rid, "decode_replica": replica} for rid, replica in self.serving_replica.items()
             ],
-            "pools": latest_reports(),
+            "pools": pools,
             "metrics": self.metrics.snapshot(),
             "retries": self.orchestrator.num_retries,
             "resumes": self.orchestrator.num_resumes,
@@ -284,7 +305,8 @@ class RouterServer:
             "request %s (%s): %d prompt tokens, stream=%s", request_id, internal_id, len(prompt_ids), parsed.stream
         )
         self.num_in_flight += 1
-        deltas = self._tracked(self.orchestrator.run(internal_id, prompt_ids, parsed.sampling), started, request_id)
+        run = self.orchestrator.run(internal_id, prompt_ids, parsed.sampling, parsed.cache_salt)
+        deltas = self._tracked(run, started, request_id, len(prompt_ids))
         try:
             first = await _unless_client_left(request, deltas.__anext__())  # refusals surface here
         except _ClientLeft:
@@ -318,27 +340,43 @@ class RouterServer:
         finally:
             await deltas.aclose()
 
-    async def _tracked(self, deltas: AsyncIterator[StreamDelta], started: float, request_id: str):
-        """Counts the request in flight until it ends, and records its TTFT/TPOT."""
-        first_token_time = None
+    async def _tracked(self, deltas: AsyncIterator[StreamDelta], started: float, request_id: str, num_prompt: int):
+        """Counts the request in flight until it ends, and records its latencies and outcome."""
+        first_token_time = last_token_time = None
         num_tokens = 0
-        outcome = "cancelled"
+        outcome: str | None = "cancelled"
+        finish_reason = None
+        metrics = self.metrics
+        metrics.request_started()
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     self.serving_replica[request_id] = delta.replica_id
-                    if delta.new_token_ids and first_token_time is None:
-                        first_token_time = time.monotonic()
-                        self.metrics.first_token(first_token_time - started)
+                    if delta.new_token_ids:
+                        now = time.monotonic()
+                        if first_token_time is None:
+                            first_token_time = now
+                            metrics.first_token(now - started)
+                            metrics.tokens_arrived(len(delta.new_token_ids) - 1, 0.0)
+                        else:
+                            metrics.tokens_arrived(len(delta.new_token_ids), now - last_token_time)
+                        last_token_time = now
                     num_tokens += len(delta.new_token_ids)
                     if delta.finish_reason is not None:
                         outcome = "error" if delta.error else "ok"
+                        finish_reason = delta.finish_reason
+                        metrics.phases(delta.queue_time_s, delta.prefill_time_s)  # colocated: from the engine
                     yield delta
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the client left: "cancelled"
+        except BaseException:
+            outcome = None  # a refusal raised to _handle, which answers with its status and counts it
+            raise
         finally:
             self.num_in_flight -= 1
             self.serving_replica.pop(request_id, None)
-            self.metrics.request_ended(outcome, started, first_token_time, num_tokens)
-            logger.info("request %s ended: %s, %d tokens", request_id, outcome, num_tokens)
+            metrics.request_ended(outcome, started, first_token_time, num_tokens, num_prompt, finish_reason)
+            logger.info("request %s ended: %s, %d tokens", request_id, outcome or "refused", num_tokens)
 
     def _tokenize(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
         if parsed.kind == "chat":

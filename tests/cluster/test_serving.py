@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -112,9 +113,103 @@ def test_disaggregated_greedy_matches_transformers(cluster, expected, transport)
     check_greedy(cluster, expected)
 
 
+def scrape(cluster: LocalCluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's /metrics, parsed by prometheus_client: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def by_pool(samples: dict, name: str) -> dict[str, float]:
+    """A per-replica series summed by pool."""
+    totals: dict[str, float] = {}
+    for (sample, labels), value in samples.items():
+        if sample == name:
+            pool = dict(labels)["pool"]
+            totals[pool] = totals.get(pool, 0.0) + value
+    return totals
+
+
+MODEL_LABEL = (("model_name", MODEL),)
+
+
+def test_metrics_count_a_disaggregated_request_its_kv_transfer_and_each_pool_s_replicas(cluster, tokenizer):
+    config = cluster.ensure(**DISAGG, transport="tcp")  # as the last greedy test: no redeploy
+    before = scrape(cluster)
+    prompt = "Metrics: " + long_text(1)
+    num_prompt = len(tokenizer.encode(prompt))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True, "stream": True}
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.read().endswith(b"data: [DONE]\n\n")
+    cluster.wait_idle()
+    after = scrape(cluster)
+
+    def grew(name: str, labels=MODEL_LABEL) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert grew("pdserve:time_to_first_token_seconds_count") == 1
+    assert grew("pdserve:inter_token_latency_seconds_count") == 4
+    assert grew("pdserve:e2e_request_latency_seconds_count") == 1
+    assert grew("pdserve:request_success_total", (("finished_reason", "length"), *MODEL_LABEL)) == 1
+    assert grew("pdserve:prompt_tokens_total") == num_prompt
+    assert grew("pdserve:generation_tokens_total") == 5
+    # Prefill's reply: its queue and prefill times, and the hand-off's bytes (every layer's K and V
+    # of the prompt's blocks, all heads: float32 SmolLM2 is 30 layers x 3 KV heads x 64).
+    assert grew("pdserve:request_prefill_time_seconds_count") == 1
+    assert grew("pdserve:request_queue_time_seconds_count") == 1
+    num_blocks = -(-num_prompt // config.block_size)
+    assert grew("pdserve:kv_transfer_bytes_sum") == 30 * num_blocks * 2 * config.block_size * 3 * 64 * 4
+    assert grew("pdserve:kv_transfer_seconds_count") == 1 and grew("pdserve:kv_transfer_exposed_seconds_count") == 1
+    # The replicas' own series, one per replica of each pool, read from their reports.
+    queried = by_pool(after, "pdserve:prefix_cache_queries_total")
+    assert set(queried) == {"prefill", "decode"} and queried["prefill"] > 0
+    usage = by_pool(after, "pdserve:kv_cache_usage_perc")
+    assert set(usage) == {"prefill", "decode"} and all(0 <= u <= 1 for u in usage.values())
+    assert by_pool(after, "pdserve:kv_tickets_outstanding") == {"prefill": 0, "decode": 0}
+    # The status page no longer lists the block hashes (they tell what other tenants' prompts hold).
+    status = cluster.status()
+    assert all("recent_block_hashes" not in r for pool in status["pools"].values() for r in pool)
+
+
+def test_cache_salt_keeps_each_tenant_s_prefix_cache_apart(cluster):
+    cluster.ensure(**DISAGG, transport="tcp")
+    prompt = "Salted: " + long_text(2)  # many blocks, new to this deployment
+
+    def cached_tokens(**extra) -> int:
+        status, _, payload = post(
+            cluster.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
+        )
+        assert status == 200, payload
+        return payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_tokens(cache_salt="tenant-a") == 0
+    assert cached_tokens(cache_salt="tenant-a") > 0  # the same tenant shares its prefix
+    assert cached_tokens(cache_salt="tenant-b") == 0  # another tenant does not
+    assert cached_tokens() == 0  # nor does a request without a salt
+    assert cached_tokens() > 0
+    status, _, payload = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""})
+    assert status == 400 and payload["error"]["param"] == "cache_salt"
+    cluster.wait_idle()
+
+
 def test_colocated_greedy_matches_transformers(cluster, expected):
     cluster.ensure(mode="colocated")
     check_greedy(cluster, expected)
+    # The engine's queue and prefill times reach the router with each request's last delta.
+    samples = scrape(cluster)
+    assert samples[("pdserve:request_prefill_time_seconds_count", MODEL_LABEL)] == 8
+    assert samples[("pdserve:request_queue_time_seconds_count", MODEL_LABEL)] == 8
+    assert samples[("pdserve:time_to_first_token_seconds_count", MODEL_LABEL)] == 8
+    assert by_pool(samples, "pdserve:num_requests_running")["colocated"] == 0
 
 
 def test_stream_interval_sends_the_first_token_alone_then_n_at_a_time_with_the_same_text(cluster, expected):

@@ -80,6 +80,17 @@ def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backe
             assert output.outputs[0].token_ids == hf_reference(hf_smol, ids, 8)
         assert not prefill.transfer_failures
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        # The hand-off's figures the prefill replica reports to the router's metrics: every shard's
+        # bytes together (K and V of every layer and head for the prompt's blocks), the slowest
+        # shard's seconds.
+        layout = prefill.layout
+        for i, ids in enumerate(prompts):
+            sent = prefill.transfers_sent[f"req-{i}"]
+            num_blocks = -(-len(ids) // layout.block_size)
+            per_block = layout.bytes_per_block_per_layer // layout.num_kv_heads * layout.total_kv_heads  # K and V
+            assert sent.failure is None and sent.num_bytes == layout.num_layers * num_blocks * per_block
+            assert sent.seconds is not None and sent.seconds > 0
+        assert prefill.num_kv_transfer_failures == decode.num_kv_transfer_failures == 0
         if backend == "shm" and prefill_tp == 1:  # the driver's own sender: which path did it take?
             channels = prefill.executor.driver.connector.sender._channels.values()
             assert channels and all((ch.staging_region is None) == pull for ch in channels)
@@ -147,6 +158,10 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
         assert finished["late"].outputs[0].finish_reason == "error" and "lease" in finished["late"].error
         assert "lease" in prefill.transfer_failures["late"]
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        # Counted on both sides for the replicas' reports (pdserve:kv_lease_expirations).
+        assert prefill.num_kv_lease_expirations == decode.num_kv_lease_expirations == 1
+        assert prefill.num_kv_transfer_failures == decode.num_kv_transfer_failures == 1
+        assert prefill.transfers_sent["late"].failure is not None
     finally:
         prefill.shutdown()
         decode.shutdown()

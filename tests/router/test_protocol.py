@@ -530,3 +530,14 @@ def test_bodies_that_are_not_clean_json_are_a_400_not_a_500(raw, why):
 def test_clean_json_with_escaped_surrogate_pairs_decodes():
     body = protocol.decode_body(b'{"model": "m", "prompt": "smile \\ud83d\\ude00", "n": 1}')
     assert body == {"model": "m", "prompt": "smile \U0001f600", "n": 1}
+
+
+def test_cache_salt_is_read_on_both_endpoints_and_checked():
+    assert completion(cache_salt="tenant-a").cache_salt == "tenant-a"
+    assert chat(cache_salt="t").cache_salt == "t"
+    assert completion().cache_salt is None and completion(cache_salt=None).cache_salt is None
+    too_long = "x" * (protocol.MAX_CACHE_SALT_CHARS + 1)
+    for salt in ("", 7, ["a"], too_long):
+        error = completion_error(cache_salt=salt)
+        assert error.status == 400 and error.param == "cache_salt"
+        assert chat_error(cache_salt=salt).param == "cache_salt"
