@@ -56,6 +56,7 @@ class RequestRecord:
     num_output_tokens: int  # from the usage chunk, else the number of text chunks
     usage_prompt_tokens: int | None  # as the server counted them (chat templates add some)
     error: str | None = None
+    usage_cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache
 
     @property
     def succeeded(self) -> bool:
@@ -69,6 +70,13 @@ class RequestRecord:
 
     def timing(self) -> RequestTiming:
         return RequestTiming(self.ttft_s, self.tpot_s, self.e2e_s, self.num_output_tokens, self.succeeded)
+
+
+def _hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Prompt tokens served from the prefix cache over prompt tokens, as the server's usage counts them."""
+    counted = [r for r in records if r.usage_cached_tokens is not None and r.usage_prompt_tokens]
+    total = sum(r.usage_prompt_tokens or 0 for r in counted)
+    return sum(r.usage_cached_tokens or 0 for r in counted) / total if total else None
 
 
 def _percentiles(name: str, values: Sequence[float]) -> dict[str, float | None]:
@@ -103,6 +111,7 @@ class LoadResult:
             "max_send_lag_s": max((r.send_s - r.arrival_s for r in self.records), default=None),
             "request_throughput": len(ok) / duration,
             "output_throughput": sum(r.num_output_tokens for r in ok) / duration,
+            "prefix_cache_hit_rate": _hit_rate(ok),
         }
         out |= _percentiles("ttft", [r.ttft_s for r in ok if r.ttft_s is not None])
         out |= _percentiles("tpot", [t for r in ok if (t := r.tpot_s) is not None])
@@ -287,6 +296,7 @@ async def _run_one(run: _Run, index: int, request: WorkloadRequest, body: bytes)
         num_output_tokens=int(usage.get("completion_tokens") or clock.num_chunks),
         usage_prompt_tokens=usage.get("prompt_tokens"),
         error=error,
+        usage_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     )
 
 

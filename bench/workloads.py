@@ -176,7 +176,10 @@ def uniform(
 
 LengthSampler = Callable[..., Lengths]  # (n, rng, *, max_model_len, scale) -> Lengths
 WORKLOADS: dict[str, LengthSampler] = {"chatbot": chatbot, "code": code, "summarization": summarization}
-_FORMS = f"{', '.join(WORKLOADS)}, fixed:IN,OUT, uniform:MIN_IN,MAX_IN,MIN_OUT,MAX_OUT, trace:PATH"
+_FORMS = (
+    f"{', '.join(WORKLOADS)}, fixed:IN,OUT, uniform:MIN_IN,MAX_IN,MIN_OUT,MAX_OUT, trace:PATH, "
+    "multiturn[:SYSTEM_PROMPTS,TURNS[,SYSTEM_TOKENS]]"
+)
 
 
 def length_sampler(name: str) -> LengthSampler:
@@ -298,6 +301,77 @@ def make_prompt(tokenizer, num_tokens: int, seed: int, *, corpus: str = "prose")
     return best
 
 
+# ---------------------------------------------------------------- multi-turn chat
+@dataclass(frozen=True)
+class MultiTurnShape:
+    """Conversations that open with one of a few shared system prompts and grow turn by turn: each
+    turn's prompt is the one before, that turn's answer and a new user message. What a prefix cache
+    (and a router that knows where each prefix is cached) is for."""
+
+    num_system_prompts: int = 4
+    system_tokens: int = 256
+    turns: int = 4
+    user_tokens: int = 48
+    assistant_tokens: int = 48  # the earlier answers written into later prompts (a stand-in text)
+    output_tokens: int = 48
+    think_s: float = 3.0  # mean gap between a conversation's turns (exponential)
+
+    @classmethod
+    def parse(cls, name: str) -> MultiTurnShape:
+        """``multiturn`` or ``multiturn:SYSTEM_PROMPTS,TURNS[,SYSTEM_TOKENS]``."""
+        _, _, args = name.partition(":")
+        try:
+            values = [int(v) for v in args.split(",")] if args else []
+        except ValueError:
+            values = []
+        if (args and not 2 <= len(values) <= 3) or any(v < 1 for v in values):
+            raise ConfigError(
+                f"unknown workload {name!r}; multi-turn is multiturn:SYSTEM_PROMPTS,TURNS[,SYSTEM_TOKENS]"
+            )
+        names = ("num_system_prompts", "turns", "system_tokens")
+        return cls(**dict(zip(names, values, strict=False)))
+
+
+def multiturn(
+    shape: MultiTurnShape,
+    rate: float,
+    num_requests: int,
+    rng: np.random.Generator,
+    *,
+    arrival: str = "poisson",
+    burstiness: float = 1.0,
+    tokenizer=None,
+) -> list[WorkloadRequest]:
+    """``num_requests`` turns of ``ceil(num_requests / turns)`` conversations. Conversations start at
+    ``rate / turns`` per second (so turns arrive at ``rate`` on average); a conversation's turns
+    follow one another ``think_s`` apart on average. Without a tokenizer, prompts are "" and their
+    lengths the parts' sums (for the simulator)."""
+    num_conversations = -(-num_requests // shape.turns)
+    starts = arrival_times(arrival, rate / shape.turns, num_conversations, rng, burstiness)
+    text_seeds = iter(rng.integers(2**31, size=num_conversations * shape.turns * 2 + shape.num_system_prompts))
+
+    def text(num_tokens: int) -> str:
+        seed = int(next(text_seeds))
+        return "" if tokenizer is None else make_prompt(tokenizer, num_tokens, seed)
+
+    systems = [text(shape.system_tokens) for _ in range(shape.num_system_prompts)]
+    requests = []
+    for start in starts:
+        system = int(rng.integers(shape.num_system_prompts))
+        prompt, num_tokens, at = f"System: {systems[system]}", shape.system_tokens, float(start)
+        for _ in range(shape.turns):
+            if len(requests) == num_requests:
+                break
+            prompt += f"\nUser: {text(shape.user_tokens)}\nAssistant:"
+            num_tokens += shape.user_tokens
+            exact = len(tokenizer.encode(prompt)) if tokenizer is not None else num_tokens
+            requests.append(WorkloadRequest(at, prompt if tokenizer is not None else "", exact, shape.output_tokens))
+            prompt += f" {text(shape.assistant_tokens)}"
+            num_tokens += shape.assistant_tokens
+            at += float(rng.exponential(shape.think_s))
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
 # ---------------------------------------------------------------- workloads
 def build_workload(
     name: str,
@@ -318,6 +392,19 @@ def build_workload(
     ``None`` replays it at its recorded pace. Without a tokenizer prompts are "" (for the simulator).
     """
     rng = np.random.default_rng(seed)
+    if name == "multiturn" or name.startswith("multiturn:"):
+        if rate is None:
+            raise ConfigError(f"workload {name!r} needs a request rate")
+        requests = multiturn(
+            MultiTurnShape.parse(name),
+            rate,
+            num_requests,
+            rng,
+            arrival=arrival,
+            burstiness=burstiness,
+            tokenizer=tokenizer,
+        )
+        return [r for r in requests if r.num_prompt_tokens + r.num_output_tokens <= max_model_len]
     if name.startswith("trace:"):
         records = read_trace(name.removeprefix("trace:"), max_requests=num_requests)
         arrivals = np.array([r.arrival_s for r in records], dtype=float)

@@ -79,7 +79,8 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    placement_policy: str = "least_loaded"  # the router's registry checks the name
+    # cache_aware | least_loaded | random (router.placement; the router's registry checks the name)
+    placement_policy: str = "cache_aware"
     request_timeout_s: float = 600.0
     kv_lease_s: float = 30.0  # how long a decode reservation waits for its KV before it is released
     # ...plus this much per prompt token: a long prompt's KV leaves only when its prefill ends
@@ -90,7 +91,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if not self.placement_policy:
-            raise ConfigError("placement_policy='' is empty; name a policy such as 'least_loaded'")
+            raise ConfigError("placement_policy='' is empty; name a policy such as 'cache_aware'")
         if self.kv_lease_per_token_s < 0:
             raise ConfigError(f"kv_lease_per_token_s={self.kv_lease_per_token_s} must be >= 0")
         for key in ("request_timeout_s", "kv_lease_s"):

@@ -1,7 +1,7 @@
 """Events a replica's block pool emits as its prefix cache changes.
 
 A cache-aware router replays these per replica to know which prefixes each one holds
-without asking. Hashes are the chained SHA-256 block hashes of ``engine.kv_cache.block_hash``.
+without asking. Hashes are the chained SHA-256 block hashes of ``common.block_hash``.
 """
 
 from __future__ import annotations

@@ -74,8 +74,9 @@ class PrefillResult:
 class ReplicaReport:
     """One replica's load and cache state, refreshed every second or so.
 
-    Carries what both the least-loaded policy and the cache-aware one need: queue lengths,
-    KV blocks free, and the prefix blocks it cached lately (hashes as hex strings).
+    Carries what both the least-loaded policy and the cache-aware one need: queue lengths, the
+    prompt tokens still to prefill, KV blocks free, and every block in its prefix cache (the
+    short hashes of common.block_hash, packed).
     """
 
     replica_id: str
@@ -90,7 +91,10 @@ class ReplicaReport:
     max_model_len: int = 0
     draining: bool = False
     pid: int = 0  # the replica's process (rank 0), for operators
-    recent_block_hashes: list[str] = field(default_factory=list)
+    cached_blocks: bytes = b""  # common.block_hash.pack_short_hashes of every cached block
+    num_prefill_tokens_queued: int = 0  # prompt tokens of waiting and prefilling requests not computed yet
+    prefill_tokens_per_s: float = 0.0  # how fast it computes prompt tokens (measured; 0: not yet)
+    report_time: float = 0.0  # time.time() when the replica took the report
     prefix_cache_hit_rate: float = 0.0
     cpu_cores: list[int] = field(default_factory=list)  # CPU: the cores the replica runs on
     cpu_cores_shared: list[int] = field(default_factory=list)  # of those, shared (oversubscribed)

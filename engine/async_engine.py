@@ -97,6 +97,7 @@ class AsyncEngine:
         self.error: str | None = None  # why the engine thread stopped, if it failed
         self.num_steps = 0
         self.kv_events: collections.deque = collections.deque(maxlen=_MAX_KV_EVENTS)
+        self.kv_events_lost = 0  # events that fell off kv_events unread (see cached_block_hashes)
         self.engine: LLMEngine
         # Published by the engine thread after every step, so a report never waits for a long step.
         self.snapshot: dict[str, Any]
@@ -193,6 +194,18 @@ class AsyncEngine:
         self._handoffs[request_id] = watch
         return watch.future
 
+    async def cached_block_hashes(self) -> tuple[list[bytes], int]:
+        """Every block hash in the prefix cache now, and ``kv_events_lost`` then; on the engine
+        thread, which alone adds events, so that replaying ``kv_events`` from here on is exact
+        (the events the snapshot already reflects are dropped with it)."""
+
+        def snapshot(engine: LLMEngine) -> tuple[list[bytes], int]:
+            engine.take_kv_events()
+            self.kv_events.clear()
+            return list(engine.kv.pool.cached), self.kv_events_lost
+
+        return await self.call(snapshot, timeout_s=30)
+
     def abort_soon(self, request_id: str, error: str | None = None) -> None:
         """Abort without waiting (cancellation paths cannot await). Its hand-off watch, if any, is
         dropped on the engine thread, which alone touches that table."""
@@ -257,7 +270,11 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         self.snapshot = {**load_report(self.engine), "num_waiting_for_blocks": len(self._room_waiters)}
-        self.kv_events.extend(self.engine.take_kv_events())  # bounded: the oldest fall off
+        events = self.engine.take_kv_events()
+        # Bounded: the oldest fall off, counted, so that whoever replays them knows to resync.
+        kv_events = self.kv_events
+        self.kv_events_lost += max(0, len(kv_events) + len(events) - (kv_events.maxlen or len(events)))
+        kv_events.extend(events)
 
     def _run_commands(self, block: bool) -> int:
         """Run the queued commands (waiting up to 0.1 s for one when ``block``); how many ran."""
@@ -415,4 +432,6 @@ def load_report(engine: LLMEngine) -> dict[str, Any]:
         "num_handoff": stats.num_handoff,
         "num_kv_lease_expirations": engine.num_kv_lease_expirations,
         "num_kv_transfer_failures": engine.num_kv_transfer_failures,
+        "num_prefill_tokens_queued": engine.scheduler.num_prefill_tokens_queued(),
+        "prefill_tokens_per_s": engine.prefill_tokens_per_s,
     }

@@ -28,7 +28,7 @@ from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingRequestState, make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_input import build_step_input
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
@@ -43,6 +43,10 @@ class EngineStats:
     num_handoff: int
     num_preemptions: int
     kv: PrefixCacheStats
+
+
+_MIN_PREFILL_TOKENS_TIMED = 32  # a step with fewer prefill tokens times its overhead, not prefill
+_PREFILL_RATE_WEIGHT = 0.2  # of the newest step in the moving average
 
 
 def _generator(seed: int | None):
@@ -72,6 +76,7 @@ class LLMEngine:
         self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
         self.transfers_sent: dict[str, SentKV] = {}  # prefill role: ended hand-offs, until their caller takes them
         self.num_kv_lease_expirations = 0
+        self.prefill_tokens_per_s = 0.0  # measured, see _measure_prefill_rate; 0 until a prefill ran
         self.num_kv_transfer_failures = 0
 
     @property
@@ -212,7 +217,7 @@ class LLMEngine:
                 self.executor.connector_step(meta)
                 self._apply_handoff(self.executor.finish_step(None))
             return self._take_outputs_outside_step()
-        now = time.monotonic()
+        now = started = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
         logits = self.executor.execute(step_input, meta)
@@ -233,6 +238,7 @@ class LLMEngine:
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
                 self.outputs.record_logprob(request_id, logprob)
+        self._measure_prefill_rate(scheduled, time.monotonic() - started)
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
             output = self._emit_new_tokens(request)
@@ -243,6 +249,16 @@ class LLMEngine:
             self._apply_handoff(reports)
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
+
+    def _measure_prefill_rate(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Prompt tokens computed per second in steps that carry prefill chunks (a moving average):
+        what a router needs to tell how fast a replica's queued prompts drain between its reports."""
+        num_prefill = sum(len(chunk.token_ids) for chunk in scheduled.chunks if len(chunk.token_ids) > 1)
+        if num_prefill < _MIN_PREFILL_TOKENS_TIMED or seconds <= 0:
+            return
+        rate = num_prefill / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if not old else (1 - _PREFILL_RATE_WEIGHT) * old + _PREFILL_RATE_WEIGHT * rate
 
     def _emit_new_tokens(self, request: Request) -> RequestOutput:
         """The output of a request's tokens not yet emitted; a stop string among them ends it."""

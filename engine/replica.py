@@ -6,13 +6,15 @@ their request methods; Serve calls ``record_routing_stats`` and ``check_health``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
-from collections import OrderedDict
+import time
 from typing import Any
 
 from common import env
+from common.block_hash import pack_short_hashes, short_hashes
 from common.config import EngineConfig
 from common.cpu_cores import CoreClaim, claim_cores, format_core_list
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -23,10 +25,6 @@ from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-# Prefix blocks a report names, newest last: what a cache-aware placement policy matches prompts
-# against. Bounded, so a report stays a few kilobytes.
-RECENT_BLOCKS = 256
 
 
 def claim_replica_cores(config: EngineConfig, num_cores: int | None) -> tuple[EngineConfig, CoreClaim | None]:
@@ -60,38 +58,56 @@ class EngineReplica:
         self.replica_id = replica_id
         self.core_claim = core_claim  # held for the replica's life; its locks die with the process
         self.draining = False
-        self._recent_blocks: OrderedDict[bytes, None] = OrderedDict()  # touched by the event loop only
+        # The prefix cache's short hashes, replayed from the engine's KV events (event loop only).
+        self._cached_blocks: dict[bytes, None] = {}
+        self._packed: bytes | None = b""
+        self._kv_events_lost_seen = 0
+        self._cache_lock = asyncio.Lock()  # one replay at a time: a resync awaits the engine
 
-    async def report(self) -> dict:
+    async def report(self, include_cache: bool = False) -> dict:
+        """The replica's ReplicaReport as a dict; ``include_cache``: with every cached block's short
+        hash (what Serve's routing stats carry to the router's cache-aware placement)."""
         fields = self.engine.snapshot  # published after every step: no wait behind a long prefill
-        events = []
-        while self.engine.kv_events:
-            events.append(self.engine.kv_events.popleft())
-        for event in events:
-            if isinstance(event, BlockStored):
-                for block_hash in event.block_hashes:
-                    self._recent_blocks[block_hash] = None
-                    self._recent_blocks.move_to_end(block_hash)
-            elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    self._recent_blocks.pop(block_hash, None)
-            elif isinstance(event, AllBlocksCleared):
-                self._recent_blocks.clear()
-        while len(self._recent_blocks) > RECENT_BLOCKS:
-            self._recent_blocks.popitem(last=False)
-        recent = [block_hash.hex() for block_hash in self._recent_blocks]
+        taken = time.time()
+        packed = b""
+        if include_cache:
+            async with self._cache_lock:
+                packed = await self._packed_cached_blocks()
         return ReplicaReport(
             replica_id=self.replica_id,
             draining=self.draining,
             pid=os.getpid(),
-            recent_block_hashes=recent,
+            cached_blocks=packed,
+            report_time=taken,
             cpu_cores=list(self.core_claim.cores) if self.core_claim else [],
             cpu_cores_shared=list(self.core_claim.borrowed) if self.core_claim else [],
             **fields,
         ).to_dict()
 
+    async def _packed_cached_blocks(self) -> bytes:
+        """The prefix cache's short hashes, kept exact by replaying the engine's KV events; taken
+        anew from the engine when events fell off its bounded queue unread."""
+        engine = self.engine
+        if engine.kv_events_lost != self._kv_events_lost_seen:
+            hashes, self._kv_events_lost_seen = await engine.cached_block_hashes()
+            self._cached_blocks = dict.fromkeys(short_hashes(hashes))
+            self._packed = None
+        while engine.kv_events:
+            event = engine.kv_events.popleft()
+            if isinstance(event, BlockStored):
+                self._cached_blocks.update(dict.fromkeys(short_hashes(event.block_hashes)))
+            elif isinstance(event, BlockRemoved):
+                for short in short_hashes(event.block_hashes):
+                    self._cached_blocks.pop(short, None)
+            elif isinstance(event, AllBlocksCleared):
+                self._cached_blocks.clear()
+            self._packed = None
+        if self._packed is None:
+            self._packed = pack_short_hashes(self._cached_blocks)
+        return self._packed
+
     async def record_routing_stats(self) -> dict:
-        return await self.report()
+        return await self.report(include_cache=True)
 
     async def num_blocks_held(self) -> int:
         return await self.engine.call(lambda e: e.num_blocks_held(), timeout_s=10)

@@ -263,6 +263,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished > 0
 
+    def num_prefill_tokens_queued(self) -> int:
+        """Prompt tokens of waiting and still-prefilling requests not computed yet: the prefill work
+        a new prompt on this engine would queue behind (prefix-cache hits of waiting ones included)."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return queued + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
+
     def iter_live(self) -> Iterable[Request]:
         yield from self.running
         yield from self.waiting

@@ -8,9 +8,10 @@ replica's own admission control (``OverloadedError``) stays the real limit.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ConfigError
@@ -25,8 +26,9 @@ WAITING_WEIGHT = 4
 class PlacementRequest:
     request_id: str
     num_prompt_tokens: int
-    # Chained hashes of the prompt's full blocks (hex), for a cache-aware policy; least-loaded ignores them.
-    prefix_block_hashes: tuple[str, ...] = ()
+    # Replica id -> the prompt's leading tokens already in that replica's prefix cache (the router
+    # looks them up in router.prefix_index); a cache-aware policy reads it, least-loaded does not.
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,70 @@ class LeastLoadedPolicy(PlacementPolicy):
         return Placement(best.replica_id, reason, tuple(r.replica_id for r in ranked))
 
 
+class CacheAwarePolicy(PlacementPolicy):
+    """Prefill (and colocated) replicas: the one that reaches this prompt's first token soonest,
+    counting prefix-cache hits. Decode replicas: as least-loaded (free KV blocks, then load).
+
+    Cost = ``prefill_cost(prompt tokens, prompt tokens cached there, prompt tokens queued there)``:
+    the prompt tokens the replica must compute before this prompt's last one. A hit saves its
+    tokens; a long queue costs its tokens. Ties (no hits, equal queues) go by least-loaded's
+    order: load, KV usage, replica id. Same eligibility as least-loaded.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.least_loaded = LeastLoadedPolicy(block_size)
+
+    def choose(self, request: PlacementRequest, replicas: Sequence[ReplicaReport]) -> Placement:
+        if not replicas or all(r.role == "decode" for r in replicas):
+            return self.least_loaded.choose(request, replicas)
+        num_tokens = request.num_prompt_tokens + 1
+        eligible = [r for r in replicas if not r.draining and (r.max_model_len <= 0 or num_tokens <= r.max_model_len)]
+        if not eligible:
+            raise NoReplicaAvailable(_why_none(request, replicas))
+
+        def cached(r: ReplicaReport) -> int:
+            return min(request.cached_tokens.get(r.replica_id, 0), max(0, request.num_prompt_tokens - 1))
+
+        def cost(r: ReplicaReport) -> int:
+            return prefill_cost(request.num_prompt_tokens, cached(r), r.num_prefill_tokens_queued)
+
+        ranked = sorted(eligible, key=lambda r: (cost(r), _load(r), r.kv_usage, r.replica_id))
+        best = ranked[0]
+        reason = (
+            f"cache aware: {cached(best)} of {request.num_prompt_tokens} prompt tokens cached, "
+            f"{best.num_prefill_tokens_queued} queued ahead (cost {cost(best)} tokens)"
+        )
+        return Placement(best.replica_id, reason, tuple(r.replica_id for r in ranked))
+
+
+def prefill_cost(num_prompt_tokens: int, num_cached_tokens: int, num_queued_tokens: int) -> int:
+    """Prompt tokens a replica computes before this prompt's first token: those queued ahead of it,
+    then the prompt's own that its prefix cache does not hold. Prefill is compute-bound, so its
+    time grows with tokens (attention's quadratic share is small at the prompt lengths served)."""
+    return num_queued_tokens + max(0, num_prompt_tokens - num_cached_tokens)
+
+
+class RandomPolicy(PlacementPolicy):
+    """Any eligible replica, by a hash of the request id (the same request ranks the same way):
+    the baseline a cache-aware policy is measured against."""
+
+    name = "random"
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.least_loaded = LeastLoadedPolicy(block_size)
+
+    def choose(self, request: PlacementRequest, replicas: Sequence[ReplicaReport]) -> Placement:
+        ordered = self.least_loaded.choose(request, replicas).ranking  # eligibility, as least-loaded's
+
+        def draw(replica_id: str) -> bytes:
+            return hashlib.blake2b(f"{request.request_id}/{replica_id}".encode(), digest_size=8).digest()
+
+        ranking = tuple(sorted(ordered, key=draw))
+        return Placement(ranking[0], "random", ranking)
+
+
 def _load(r: ReplicaReport) -> int:
     return (r.num_waiting + r.num_waiting_for_blocks) * WAITING_WEIGHT + r.num_running + r.num_reserved
 
@@ -113,7 +179,11 @@ def _why_none(request: PlacementRequest, replicas: Sequence[ReplicaReport]) -> s
     )
 
 
-POLICIES: dict[str, type[PlacementPolicy]] = {"least_loaded": LeastLoadedPolicy}
+POLICIES: dict[str, type[PlacementPolicy]] = {
+    "least_loaded": LeastLoadedPolicy,
+    "cache_aware": CacheAwarePolicy,
+    "random": RandomPolicy,
+}
 
 
 def make_policy(name: str, **kwargs: Any) -> PlacementPolicy:

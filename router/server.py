@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from common.block_hash import SHORT_HASH_BYTES
 from common.errors import InvalidRequestError, OverloadedError
 from common.serving import StreamDelta
 from router import protocol
@@ -142,7 +143,9 @@ async def _await(response: Any) -> Any:
 
 
 def _without_hashes(report: dict) -> dict:
-    return {key: value for key, value in report.items() if key != "recent_block_hashes"}
+    packed = report.get("cached_blocks", b"")
+    shown = {key: value for key, value in report.items() if key != "cached_blocks"}
+    return {**shown, "num_cached_blocks": len(packed) // SHORT_HASH_BYTES}
 
 
 def _over_grpc(handle: Any) -> Any:
@@ -257,13 +260,7 @@ class RouterServer:
         from router.routing_state import latest_reports
 
         # Block hashes stay inside the router: they tell what other tenants' prompts begin with.
-        pools = {
-            pool: [
-                {**_without_hashes(report), "num_recent_blocks": len(report.get("recent_block_hashes", ()))}
-                for report in reports
-            ]
-            for pool, reports in latest_reports().items()
-        }
+        pools = {pool: [_without_hashes(report) for report in reports] for pool, reports in latest_reports().items()}
         return {
             "mode": self.mode,
             "model": self.served_model,

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from common.block_hash import BlockHash
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, PrefixCacheStats
-from engine.kv_cache.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv_cache.block_hash import hash_full_blocks
+from common.block_hash import hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.request import Request
 

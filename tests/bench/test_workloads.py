@@ -244,3 +244,32 @@ def test_trace_workload(tmp_path):
     assert [(r.num_prompt_tokens, r.num_output_tokens) for r in faster] == [(50, 5), (100, 10), (150, 15)]
     assert all(len(r.prompt) == r.num_prompt_tokens for r in faster)
     assert len(build_workload(f"trace:{path}", None, 2)) == 2
+
+
+# ---------------------------------------------------------------- multi-turn chat
+def test_multiturn_conversations_share_system_prompts_and_grow_turn_by_turn():
+    tokenizer = CharTokenizer()
+    requests = build_workload("multiturn:2,3,40", 4.0, 30, seed=3, tokenizer=tokenizer)
+    assert len(requests) == 30 and [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    assert all(r.num_prompt_tokens == len(r.prompt) and r.num_output_tokens == 48 for r in requests)
+    systems = {r.prompt.split("\nUser:")[0] for r in requests}
+    assert len(systems) == 2  # every conversation opens with one of two shared system prompts
+    # Each turn after a conversation's first extends an earlier prompt: that prompt is its prefix.
+    first_turns = [r for r in requests if r.prompt.count("\nUser:") == 1]
+    later = [r for r in requests if r.prompt.count("\nUser:") > 1]
+    assert len(first_turns) == 10 and len(later) == 20
+    for request in later:
+        assert any(request.prompt.startswith(o.prompt) and o.arrival_s < request.arrival_s for o in requests)
+    # Turns arrive at the requested rate on average (conversations at rate / turns): over a long
+    # run, the last conversation's trailing turns barely count.
+    many = build_workload("multiturn:2,3,40", 4.0, 3000, seed=3)
+    assert 3.6 < 2999 / (many[-1].arrival_s - many[0].arrival_s) < 4.4
+
+
+def test_multiturn_without_a_tokenizer_gives_lengths_and_refuses_bad_shapes():
+    requests = build_workload("multiturn", 1.0, 8, seed=0)
+    assert {r.num_prompt_tokens for r in requests} <= {304, 400, 496, 592}  # 256 + 48, then + 96 a turn
+    assert all(r.prompt == "" for r in requests)
+    for name in ("multiturn:0,2", "multiturn:2", "multiturn:a,b"):
+        with pytest.raises(ConfigError, match="multiturn:SYSTEM_PROMPTS,TURNS"):
+            build_workload(name, 1.0, 4)

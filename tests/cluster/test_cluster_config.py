@@ -27,7 +27,7 @@ def test_defaults():
     assert config.port == 8000
     assert config.kv_cache_memory is None  # resolved from the host's free memory at deploy (cluster.app)
     assert config.prefill == PoolConfig(replicas=1, tensor_parallel_size=1, max_num_waiting=256)
-    assert config.router == RouterConfig(placement_policy="least_loaded", kv_lease_s=30.0, max_retries=1)
+    assert config.router == RouterConfig(placement_policy="cache_aware", kv_lease_s=30.0, max_retries=1)
     assert config.served_name == "SmolLM2-135M-Instruct"
 
 

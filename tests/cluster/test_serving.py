@@ -177,7 +177,8 @@ def test_metrics_count_a_disaggregated_request_its_kv_transfer_and_each_pool_s_r
     assert by_pool(after, "pdserve:kv_tickets_outstanding") == {"prefill": 0, "decode": 0}
     # The status page no longer lists the block hashes (they tell what other tenants' prompts hold).
     status = cluster.status()
-    assert all("recent_block_hashes" not in r for pool in status["pools"].values() for r in pool)
+    assert all("cached_blocks" not in r for pool in status["pools"].values() for r in pool)
+    assert sum(r["num_cached_blocks"] for r in status["pools"]["prefill"]) >= num_blocks - 1
 
 
 def test_cache_salt_keeps_each_tenant_s_prefix_cache_apart(cluster):
@@ -210,6 +211,41 @@ def test_colocated_greedy_matches_transformers(cluster, expected):
     assert samples[("pdserve:request_queue_time_seconds_count", MODEL_LABEL)] == 8
     assert samples[("pdserve:time_to_first_token_seconds_count", MODEL_LABEL)] == 8
     assert by_pool(samples, "pdserve:num_requests_running")["colocated"] == 0
+
+
+def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_though_it_is_busier(cluster, tokenizer):
+    cluster.ensure(mode="colocated", **{"colocated.replicas": 2})
+    # Warm: both replicas have measured their prefill rate (how fast routed prompts drain) and said so.
+    bodies = [{"model": MODEL, "prompt": f"Warm {i}: " + long_text(1), "max_tokens": 2} for i in range(2)]
+    warm = [threading.Thread(target=post, args=(cluster.url + "/v1/completions", body)) for body in bodies]
+    for thread in warm:
+        thread.start()
+    for thread in warm:
+        thread.join()
+    deadline = time.monotonic() + 30
+    while not all(r["prefill_tokens_per_s"] > 0 for r in cluster.status()["pools"]["colocated"]):
+        assert time.monotonic() < deadline, cluster.status()["pools"]
+        time.sleep(0.2)
+    shared = "Placement: " + long_text(3)
+    num_shared_blocks = len(tokenizer.encode(shared)) // cluster.config.block_size
+    # A long stream keeps one replica busy; its prompt's blocks are in that replica's prefix cache.
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
+    body = {"model": MODEL, "prompt": shared + " First,", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    busy = connection.getresponse()
+    assert busy.status == 200 and busy.readline().startswith(b"data: {")  # its prompt is computed
+    try:
+        # The same prefix again: least-loaded would pick the idle replica and compute it all; the
+        # cache-aware policy picks the busy one, whose cache saves all but the last partial block.
+        status, _, payload = post(
+            cluster.url + "/v1/completions", {"model": MODEL, "prompt": shared + " Second,", "max_tokens": 2}
+        )
+        assert status == 200, payload
+        cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= (num_shared_blocks - 1) * cluster.config.block_size, cached
+    finally:
+        connection.close()
+    cluster.wait_idle()
 
 
 def test_stream_interval_sends_the_first_token_alone_then_n_at_a_time_with_the_same_text(cluster, expected):

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 
 import pytest
 
+from common.block_hash import hash_block, hash_full_blocks, unpack_short_hashes
 from common.config import CacheConfig, EngineConfig, ModelConfig
 from common.sampling_params import SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.kv_cache.block_hash import hash_block
 from engine.llm_engine import LLMEngine
 from engine.replica import EngineReplica
 
@@ -61,11 +62,41 @@ def test_a_consumer_that_leaves_aborts_the_request_and_frees_its_blocks(replica)
 def test_the_report_names_the_prefix_blocks_it_cached(replica):
     prompt = list(range(100, 140))  # two full 16-token blocks, then a partial one
     asyncio.run(_generate(replica, "c", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
-    report = asyncio.run(replica.report())
+    report = asyncio.run(replica.report(include_cache=True))
     first = hash_block(None, prompt[:16])
     second = hash_block(first, prompt[16:32])
-    assert {first.hex(), second.hex()} <= set(report["recent_block_hashes"])
+    assert {first[:8], second[:8]} <= unpack_short_hashes(report["cached_blocks"])
     assert report["replica_id"] == "r0" and report["num_blocks_held"] == 0 and report["role"] == "colocated"
+    assert asyncio.run(replica.report())["cached_blocks"] == b""  # only routing stats carry them
+
+
+def cached_now(host: EngineReplica) -> set[bytes]:
+    """What the engine's prefix cache holds, read on its thread: the truth a report must match."""
+    hashes = asyncio.run(host.engine.call(lambda e: list(e.kv.pool.cached)))
+    return {h[:8] for h in hashes}
+
+
+def test_the_reported_cache_stays_exact_through_evictions_and_lost_events(replica):
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    num_blocks = asyncio.run(replica.engine.call(lambda e: e.kv.pool.num_blocks))
+    # More distinct prompts than the cache holds: the oldest blocks are evicted as new ones come.
+    prompts = [[1000 + 97 * i + t for t in range(64)] for i in range(num_blocks // 3)]
+    for i, prompt in enumerate(prompts):
+        asyncio.run(_generate(replica, f"p{i}", prompt, params))
+        if i % 7 == 0:
+            reported = unpack_short_hashes(asyncio.run(replica.report(include_cache=True))["cached_blocks"])
+            assert reported == cached_now(replica)
+    reported = unpack_short_hashes(asyncio.run(replica.report(include_cache=True))["cached_blocks"])
+    assert reported == cached_now(replica)
+    assert not {h[:8] for h in hash_full_blocks(prompts[0], 16)} & reported  # evicted long ago
+    # Events that fall off the engine's bounded queue unread: the next report takes the cache anew.
+    replica.engine.kv_events = collections.deque(maxlen=1)  # the engine is idle: safe to swap
+    asyncio.run(_generate(replica, "late-a", list(range(5000, 5064)), params))
+    asyncio.run(_generate(replica, "late-b", list(range(6000, 6064)), params))
+    assert replica.engine.kv_events_lost > 0
+    reported = unpack_short_hashes(asyncio.run(replica.report(include_cache=True))["cached_blocks"])
+    assert reported == cached_now(replica)
+    assert {h[:8] for h in hash_full_blocks(list(range(5000, 5064)), 16)} <= reported
 
 
 def test_a_failed_step_ends_every_open_stream_with_the_error(replica):

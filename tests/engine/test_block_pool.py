@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.block_hash import hash_block, hash_full_blocks
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.sampling_params import SamplingParams
-from engine.kv_cache.block_hash import hash_block, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request

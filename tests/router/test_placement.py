@@ -9,12 +9,15 @@ from common.errors import ConfigError
 from common.serving import ReplicaReport
 from router.placement import (
     POLICIES,
+    CacheAwarePolicy,
     LeastLoadedPolicy,
     NoReplicaAvailable,
     Placement,
     PlacementPolicy,
     PlacementRequest,
+    RandomPolicy,
     make_policy,
+    prefill_cost,
 )
 
 
@@ -24,7 +27,7 @@ def report(replica_id: str, role: str = "decode", **fields) -> ReplicaReport:
 
 
 def request(num_prompt_tokens: int = 32) -> PlacementRequest:
-    return PlacementRequest("req-1", num_prompt_tokens, prefix_block_hashes=("ab", "cd"))
+    return PlacementRequest("req-1", num_prompt_tokens)
 
 
 def test_ranks_by_load_waiting_dominates():
@@ -127,12 +130,13 @@ def test_make_policy():
     policy = make_policy("least_loaded", block_size=32)
     assert isinstance(policy, LeastLoadedPolicy) and isinstance(policy, PlacementPolicy)
     assert (policy.name, policy.block_size) == ("least_loaded", 32)
-    assert set(POLICIES) == {"least_loaded"}
+    assert set(POLICIES) == {"least_loaded", "cache_aware", "random"}
 
 
 def test_unknown_policy_names_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown placement policy 'random'; set it to one of: least_loaded"):
-        make_policy("random")
+    known = "cache_aware, least_loaded, random"
+    with pytest.raises(ConfigError, match=rf"unknown placement policy 'round_robin'; set it to one of: {known}"):
+        make_policy("round_robin")
 
 
 @pytest.mark.parametrize("block_size", [0, -16, 1.5, True])
@@ -144,3 +148,60 @@ def test_bad_block_size(block_size):
 def test_policy_contract_is_abstract():
     with pytest.raises(TypeError):
         PlacementPolicy()  # type: ignore[abstract]
+
+
+# --- cache-aware ------------------------------------------------------------------------------
+def prefill(replica_id: str, **fields) -> ReplicaReport:
+    return report(replica_id, role="prefill", **fields)
+
+
+def test_prefill_cost_is_queued_tokens_plus_the_uncached_prompt():
+    assert prefill_cost(1000, 0, 0) == 1000
+    assert prefill_cost(1000, 768, 0) == 232
+    assert prefill_cost(1000, 768, 500) == 732
+    assert prefill_cost(100, 200, 0) == 0  # never negative
+
+
+def test_cache_aware_prefers_the_replica_holding_the_prefix_unless_its_queue_costs_more():
+    policy = CacheAwarePolicy()
+    replicas = [prefill("a", num_running=2), prefill("b"), prefill("c", num_prefill_tokens_queued=100)]
+    hit_on_a = PlacementRequest("r", 1000, {"a": 768})
+    placement = policy.choose(hit_on_a, replicas)
+    # a: 232 tokens to compute although it is the busiest; b: 1000; c: 100 + 1000
+    assert placement.ranking == ("a", "b", "c")
+    assert "768 of 1000 prompt tokens cached" in placement.reason
+    # a prefill queue longer than the hit saves: the idle replica wins
+    replicas[0] = prefill("a", num_prefill_tokens_queued=900)
+    assert policy.choose(hit_on_a, replicas).ranking == ("b", "c", "a")  # 1000, 1100, 1132
+
+
+def test_cache_aware_without_hits_is_least_loaded_and_keeps_its_eligibility_rules():
+    policy = CacheAwarePolicy()
+    replicas = [prefill("a", num_running=3), prefill("b", num_waiting=1), prefill("c", num_running=1)]
+    assert policy.choose(request(), replicas).ranking == LeastLoadedPolicy().choose(request(), replicas).ranking
+    replicas.append(prefill("d", draining=True))
+    replicas.append(prefill("e", max_model_len=16))
+    assert set(policy.choose(PlacementRequest("r", 32, {"d": 32, "e": 32}), replicas).ranking) == {"a", "b", "c"}
+    with pytest.raises(NoReplicaAvailable):
+        policy.choose(request(), [prefill("d", draining=True)])
+
+
+def test_a_hit_never_counts_the_prompt_s_last_token():
+    # The engine computes at least the last prompt token: a whole-prompt hit saves all but one.
+    placement = CacheAwarePolicy().choose(PlacementRequest("r", 64, {"a": 64}), [prefill("a")])
+    assert "63 of 64 prompt tokens cached" in placement.reason
+
+
+def test_cache_aware_places_decode_as_least_loaded():
+    replicas = [report("a", num_running=1), report("b", num_kv_blocks_free=0), report("c")]
+    ranked = CacheAwarePolicy().choose(PlacementRequest("r", 32, {"b": 32}), replicas).ranking
+    assert ranked == LeastLoadedPolicy().choose(request(), replicas).ranking == ("c", "a", "b")
+
+
+def test_random_is_deterministic_per_request_and_spreads_requests():
+    policy = RandomPolicy()
+    replicas = [prefill(name) for name in "abcd"]
+    first = policy.choose(PlacementRequest("req-7", 32), replicas)
+    assert policy.choose(PlacementRequest("req-7", 32), list(reversed(replicas))) == first
+    chosen = {policy.choose(PlacementRequest(f"req-{i}", 32), replicas).replica_id for i in range(64)}
+    assert chosen == set("abcd")

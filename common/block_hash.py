@@ -2,13 +2,14 @@
 
 A block's hash chains its parent's hash, its tokens and (first block only) the request's
 ``cache_salt``: two requests share a block only when everything before it is identical, and
-tenants with different salts never share anything.
+tenants with different salts never share anything. Torch-free, so that the router hashes a
+prompt exactly as the engines do and looks it up in what each replica reports it holds.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgpack
 
@@ -33,3 +34,23 @@ def hash_full_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], salt if start == 0 else None)
         hashes.append(parent)
     return hashes
+
+
+# What a replica reports of each cached block: the first bytes of its hash. 64 bits keep a
+# collision (which would only make one placement slightly worse) out of reach.
+SHORT_HASH_BYTES = 8
+
+
+def short_hashes(block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    return [block_hash[:SHORT_HASH_BYTES] for block_hash in block_hashes]
+
+
+def pack_short_hashes(short: Iterable[bytes]) -> bytes:
+    """Short hashes laid end to end: a report's compact form of a replica's prefix cache."""
+    return b"".join(short)
+
+
+def unpack_short_hashes(packed: bytes) -> set[bytes]:
+    """The set of short hashes in ``packed`` (a trailing partial hash is ignored)."""
+    n = SHORT_HASH_BYTES
+    return {packed[i : i + n] for i in range(0, len(packed) - n + 1, n)}

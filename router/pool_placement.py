@@ -1,0 +1,92 @@
+"""One pool's placement, as the router runs it for every call on the pool's handle (Serve-free).
+
+    reports (+ requests in flight per replica) ─▶ load view ─┐
+    the prompt ─▶ its blocks' short hashes ─▶ prefix index ──┴▶ policy.choose ─▶ Placement
+                                                                      └▶ remembered as routed
+
+The load view corrects each replica's last report (up to a second old) with what the router did
+since: requests it sent that the report does not count wait as queued, and the prompt tokens it
+sent count as queued prefill, drained at the replica's measured prefill rate. router.serve_routing
+plugs this into Ray Serve's request router; bench.placement times it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from common.block_hash import hash_full_blocks, short_hashes
+from common.serving import ReplicaReport, ServeRequest
+from router.placement import Placement, PlacementPolicy, PlacementRequest, make_policy
+from router.prefix_index import PrefixIndex
+
+_REMEMBERED_PROMPTS = 64  # prompts whose block hashes are kept (a retry, or the other pool, asks again)
+
+
+def estimated_queued_tokens(reported: int, routed_since: int, tokens_per_s: float, seconds_since: float) -> int:
+    """Prompt tokens a replica still has to compute now: those its report counted plus those routed
+    to it since, less what it computed meanwhile at its measured rate (no rate yet: nothing drains)."""
+    return max(0, int(reported + routed_since - tokens_per_s * max(0.0, seconds_since)))
+
+
+class PoolPlacement:
+    def __init__(self, policy: str | PlacementPolicy, role: str, block_size: int = 16) -> None:
+        self.policy = make_policy(policy, block_size=block_size) if isinstance(policy, str) else policy
+        self.role = role
+        self.block_size = block_size
+        self.uses_prefixes = role != "decode"  # a decode replica's prefix cache is not used for hand-offs
+        self.prefix_index = PrefixIndex()
+        self._prompt_blocks: OrderedDict[str, list[bytes]] = OrderedDict()
+
+    def observe(self, reports: Sequence[ReplicaReport], every_replica: bool = False) -> None:
+        """Fresh reports; ``every_replica``: these are all the pool's replicas (forget the others)."""
+        for report in reports:
+            self.prefix_index.update(report.replica_id, report.cached_blocks)
+        if every_replica:
+            self.prefix_index.keep_only(r.replica_id for r in reports)
+
+    def place(
+        self, request: ServeRequest | None, reports: Sequence[ReplicaReport], in_flight: Mapping[str, int]
+    ) -> Placement:
+        """Rank the replicas for ``request`` (None: a report or health call, any replica). Raises
+        NoReplicaAvailable as the policy does."""
+        now = time.time()
+        views = [self._load_view(r, in_flight.get(r.replica_id, 0), now) for r in reports]
+        if request is None:
+            return self.policy.choose(PlacementRequest(request_id="-", num_prompt_tokens=0), views)
+        blocks = self._blocks_of(request) if self.uses_prefixes else []
+        cached = {
+            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now) * self.block_size
+            for r in views
+        }
+        num_prompt = len(request.prompt_token_ids)
+        placement = self.policy.choose(PlacementRequest(request.request_id, num_prompt, cached), views)
+        if self.uses_prefixes:
+            new_tokens = num_prompt - min(cached.get(placement.replica_id, 0), num_prompt)
+            self.prefix_index.routed(placement.replica_id, blocks, new_tokens, now)
+        return placement
+
+    def _load_view(self, report: ReplicaReport, in_flight: int, now: float) -> ReplicaReport:
+        """The report as placement sees it now (see the module docstring)."""
+        known = report.num_running + report.num_waiting + report.num_reserved + report.num_waiting_for_blocks
+        routed = self.prefix_index.tokens_routed_since(report.replica_id, report.report_time, now)
+        queued = estimated_queued_tokens(
+            report.num_prefill_tokens_queued, routed, report.prefill_tokens_per_s, now - report.report_time
+        )
+        if in_flight <= known and queued == report.num_prefill_tokens_queued:
+            return report
+        return dataclasses.replace(
+            report, num_waiting=report.num_waiting + max(0, in_flight - known), num_prefill_tokens_queued=queued
+        )
+
+    def _blocks_of(self, request: ServeRequest) -> list[bytes]:
+        """The prompt's full blocks' short hashes, as its engine will hash them (salt included)."""
+        blocks = self._prompt_blocks.get(request.request_id)
+        if blocks is None:
+            hashes = hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
+            blocks = self._prompt_blocks[request.request_id] = short_hashes(hashes)
+            if len(self._prompt_blocks) > _REMEMBERED_PROMPTS:
+                self._prompt_blocks.popitem(last=False)
+        return blocks
