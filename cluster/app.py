@@ -38,7 +38,7 @@ from engine.distributed.parallel import pick_device
 from engine.dtype_probe import resolve_auto_dtype
 from engine.model_loader import resolve_model_dir
 from prefill_pool.server import PrefillServer
-from router.server import RouterServer
+from router.server import DEFAULT_MAX_BODY_BYTES, RouterServer
 
 logger = logging.getLogger(__name__)
 APP_NAME = "pdserve"
@@ -257,11 +257,12 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     }
     launcher = RayShardLauncher(spec.cpus_per_shard)
     timeout_s = config.router.request_timeout_s
+    tracing = (config.tracing, config.tracing_endpoint)
     if role == "prefill":
-        server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s, spec.cores)
+        server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s, spec.cores, tracing)
     else:
         lease = (config.router.kv_lease_s, config.router.kv_lease_per_token_s)
-        args = (engine_config.to_dict(), launcher, lease, timeout_s, spec.cores, config.stream_interval)
+        args = (engine_config.to_dict(), launcher, lease, timeout_s, spec.cores, config.stream_interval, tracing)
         server = DecodeServer
     return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)
 
@@ -297,6 +298,8 @@ def build_app(config: ClusterConfig):
         config.router.max_concurrent_requests,
         config.host,
         config.port,
+        DEFAULT_MAX_BODY_BYTES,
+        (config.tracing, config.tracing_endpoint),
     )
     router_options = {
         "name": "router",

@@ -26,6 +26,7 @@ from common.config import (
     SchedulerConfig,
 )
 from common.errors import ConfigError
+from common.tracing import check_tracing
 
 MODES = ("disagg", "colocated")
 TRANSPORTS = ("shm", "grpc", "torch", "tcp")  # kv_transfer backends that cross process boundaries ("inproc" does not)
@@ -125,6 +126,9 @@ class ClusterConfig:
     # Tokens per streamed chunk after the first (vLLM's --stream-interval): fewer chunks cost less
     # CPU on every hop, at the price of burstier streams (decode_pool/stream_interval.py).
     stream_interval: int = 1
+    # Where every process's trace spans go: none, console, file:PATH, otlp (common/tracing.py).
+    tracing: str = "none"
+    tracing_endpoint: str | None = None  # otlp: the collector's URL (default http://127.0.0.1:4318/v1/traces)
     host: str = "127.0.0.1"
     port: int = 8000  # 0: pick a free port
     ray_address: str | None = None  # None: start a local Ray
@@ -142,6 +146,7 @@ class ClusterConfig:
             raise ConfigError(f"transport={self.transport!r} is not supported; use one of {', '.join(TRANSPORTS)}")
         if type(self.stream_interval) is not int or self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
+        check_tracing(self.tracing)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in 0..65535 (0 picks a free port)")
         if not self.host:

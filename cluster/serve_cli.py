@@ -33,6 +33,7 @@ FLAG_KEYS = {
     "dtype": "dtype",
     "transport": "transport",
     "stream_interval": "stream_interval",
+    "tracing": "tracing",
     "kv_cache_memory": "kv_cache_memory",
     "prefill_replicas": "prefill.replicas",
     "decode_replicas": "decode.replicas",
@@ -56,6 +57,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["shm", "grpc", "torch", "tcp"], help="KV transport between pools")
     parser.add_argument(
         "--stream-interval", type=int, help="tokens per streamed chunk after the first (default 1: every token)"
+    )
+    parser.add_argument(
+        "--tracing", help="where trace spans go: none (default), console, file:PATH or otlp (see tracing_endpoint)"
     )
     parser.add_argument("--kv-cache-memory", type=float, help="per shard: a fraction in (0, 1] or bytes")
     parser.add_argument("--prefill-replicas", type=int)

@@ -23,6 +23,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # (start, end, tokens) of each step that computed part of the prompt (for its trace spans)
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:

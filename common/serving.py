@@ -22,6 +22,7 @@ class ServeRequest:
     sampling: dict[str, Any]  # SamplingParams.to_dict()
     cache_salt: str | None = None
     kv_ticket: dict[str, Any] | None = None  # prefill only: where to push the KV
+    trace_context: dict[str, str] | None = None  # W3C traceparent/tracestate of the caller's span
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,13 +17,17 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+from common import tracing
 from common.config import EngineConfig, EngineRole
 from common.errors import InvalidRequestError, OverloadedError
-from common.outputs import RequestOutput
+from common.outputs import RequestMetrics, RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
+from common.tracing import setup_tracing
 from decode_pool.stream_interval import every_n_tokens
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
@@ -81,8 +85,10 @@ class DecodeServer(EngineReplica):
         item_timeout_s: float = 600.0,
         cores: int | None = None,
         stream_interval: int = 1,
+        tracing: tuple[str, str | None] = ("none", None),
     ) -> None:
         config = EngineConfig.from_dict(engine_config)
+        setup_tracing(tracing[0], f"pdserve-{config.scheduler.role.value}", tracing[1])
         limit = config.scheduler.max_num_waiting
         engine, claim = start_replica_engine(config, launcher, cores, max_waiting_for_room=limit)
         super().__init__(engine, serve_replica_id(), claim)
@@ -95,6 +101,20 @@ class DecodeServer(EngineReplica):
         logger.info("decode replica %s ready (%s)", self.replica_id, config.scheduler.role.value)
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TicketIssued | StreamDelta]:
+        timeline = DecodeTimeline(time.monotonic()) if tracing.enabled() else None
+        try:
+            # aclosing: a caller gone mid-stream closes the request's stream now (it aborts the request).
+            async with contextlib.aclosing(self._generate(request, timeline)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if timeline is not None:
+                timeline.ended = time.monotonic()
+                record_decode_spans(request, timeline, self.replica_id, self.colocated)
+
+    async def _generate(
+        self, request: ServeRequest, timeline: DecodeTimeline | None
+    ) -> AsyncIterator[TicketIssued | StreamDelta]:
         request_id = request.request_id
         try:
             params = SamplingParams.from_dict(request.sampling)
@@ -111,6 +131,8 @@ class DecodeServer(EngineReplica):
                 # A burst waits for blocks in the engine's bounded FIFO, woken as blocks free.
                 reserve = lambda e: self._reserve(e, request, params)  # noqa: E731
                 ticket = await self.engine.call_when_room(reserve, self.reserve_timeout_s)
+                if timeline is not None:
+                    timeline.ticket_issued = time.monotonic()
                 yield TicketIssued(request_id, ticket, self.replica_id)
         except (InvalidRequestError, OverloadedError) as exc:
             self.engine.close_stream(request_id)
@@ -125,7 +147,10 @@ class DecodeServer(EngineReplica):
         async with contextlib.aclosing(self.engine.stream(request_id, outputs, self.item_timeout_s)) as stream:
             batches = every_n_tokens(stream, self.stream_interval) if self.stream_interval > 1 else stream
             async for batch in batches:
-                yield to_delta(batch, self.replica_id, self.colocated)
+                delta = to_delta(batch, self.replica_id, self.colocated)
+                if timeline is not None:
+                    timeline.saw(delta, batch[-1])
+                yield delta
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
         """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""
@@ -145,6 +170,58 @@ class DecodeServer(EngineReplica):
         ).to_dict()
         engine.expect_kv(request_id, ticket)
         return ticket
+
+
+@dataclass(slots=True)
+class DecodeTimeline:
+    """A request's moments on this replica, kept only while tracing (time.monotonic())."""
+
+    started: float
+    ticket_issued: float | None = None
+    first_token: float | None = None
+    ended: float | None = None
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None  # the engine's, for a colocated request's queue and prefill
+
+    def saw(self, delta: StreamDelta, last: RequestOutput) -> None:
+        if delta.new_token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        self.num_tokens += len(delta.new_token_ids)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.error = delta.error or self.error
+        self.metrics = last.metrics
+
+
+def record_decode_spans(request: ServeRequest, timeline: DecodeTimeline, replica_id: str, colocated: bool) -> None:
+    """The request's spans on this replica, under the router's attempt span. Disaggregated: the
+    wait for KV blocks (reserve), the wait for prefill's KV (kv_wait, ticket to first token), then
+    generation. Colocated: the prompt's queue and chunk steps (as a prefill replica's), then
+    generation."""
+    end = timeline.ended if timeline.ended is not None else time.monotonic()
+    attributes = {
+        "pdserve.replica": replica_id,
+        "pdserve.pool_request_id": request.request_id,
+        "gen_ai.usage.output_tokens": timeline.num_tokens,
+    }
+    if timeline.finish_reason is not None:
+        attributes["gen_ai.response.finish_reasons"] = [timeline.finish_reason]
+    name = "pdserve.colocated" if colocated else "pdserve.decode"
+    parent = tracing.extract(request.trace_context)
+    context = tracing.record_span(name, timeline.started, end, parent, attributes, timeline.error)
+    metrics = timeline.metrics
+    if colocated and metrics is not None and metrics.first_scheduled_time is not None:
+        tracing.record_span("pdserve.prefill.queue", metrics.arrival_time, metrics.first_scheduled_time, context)
+        for start, stop, num_tokens in metrics.prefill_chunks:
+            tracing.record_span("pdserve.prefill.chunk", start, stop, context, {"pdserve.num_tokens": num_tokens})
+    if timeline.ticket_issued is not None:
+        tracing.record_span("pdserve.decode.reserve", timeline.started, timeline.ticket_issued, context)
+        tracing.record_span("pdserve.decode.kv_wait", timeline.ticket_issued, timeline.first_token or end, context)
+    if timeline.first_token is not None:
+        tracing.record_span(
+            "pdserve.decode.generate", timeline.first_token, end, context, {"pdserve.num_tokens": timeline.num_tokens}
+        )
 
 
 def _error_delta(request_id: str, error: str, replica_id: str) -> StreamDelta:

@@ -238,7 +238,7 @@ class LLMEngine:
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
                 self.outputs.record_logprob(request_id, logprob)
-        self._measure_prefill_rate(scheduled, time.monotonic() - started)
+        self._record_prefill_steps(scheduled, started, time.monotonic())
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
             output = self._emit_new_tokens(request)
@@ -250,10 +250,18 @@ class LLMEngine:
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
 
-    def _measure_prefill_rate(self, scheduled: SchedulerOutput, seconds: float) -> None:
-        """Prompt tokens computed per second in steps that carry prefill chunks (a moving average):
-        what a router needs to tell how fast a replica's queued prompts drain between its reports."""
-        num_prefill = sum(len(chunk.token_ids) for chunk in scheduled.chunks if len(chunk.token_ids) > 1)
+    def _record_prefill_steps(self, scheduled: SchedulerOutput, started: float, ended: float) -> None:
+        """Each prompt chunk's step on its request's timeline (its trace spans), and the prompt
+        tokens computed per second in steps that carry prefill chunks (a moving average): what a
+        router needs to tell how fast a replica's queued prompts drain between its reports."""
+        num_prefill = 0
+        for chunk in scheduled.chunks:
+            if len(chunk.token_ids) > 1:  # a decode step computes one token a request
+                num_prefill += len(chunk.token_ids)
+                state = self.outputs.states.get(chunk.request_id)
+                if state is not None:
+                    state.metrics.prefill_chunks.append((started, ended, len(chunk.token_ids)))
+        seconds = ended - started
         if num_prefill < _MIN_PREFILL_TOKENS_TIMED or seconds <= 0:
             return
         rate = num_prefill / seconds

@@ -28,14 +28,16 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
+from common.tracing import inject
 
 logger = logging.getLogger(__name__)
-# Spans: pdserve.request ⊃ pdserve.attempt (events: kv_ticket, prefill_done, first_token). A no-op
-# unless the process installs a TracerProvider.
+# Spans: the request (named by the caller, GenAI attributes) ⊃ pdserve.attempt (events: kv_ticket,
+# prefill_done, first_token) ⊃ the pools' spans. A no-op unless the process installs a TracerProvider.
 _tracer = trace.get_tracer("pdserve.router")
 # How long the last delta waits for a prefill reply still missing (its KV landed long before).
 _PREFILL_FACTS_WAIT_S = 5.0
@@ -108,20 +110,48 @@ class Orchestrator:
         self.observer: AttemptObserver = observer or _NoObserver()
 
     async def run(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        *,
+        trace_context: Context | None = None,
+        span_name: str = "pdserve.request",
+        attributes: dict[str, Any] | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Yield the request's deltas; the last has ``finish_reason`` set. Refusals before the first
-        delta raise (InvalidRequestError, OverloadedError) so the caller can answer with a status."""
+        delta raise (InvalidRequestError, OverloadedError) so the caller can answer with a status.
+        The request's span (``span_name``, ``attributes``) is a child of ``trace_context`` (a
+        client's), and the parent of every pool's spans for it."""
         deadline = time.monotonic() + self.request_timeout_s
-        span = _tracer.start_span("pdserve.request", attributes={"request_id": request_id})
+        span = _tracer.start_span(
+            span_name,
+            context=trace_context,
+            kind=trace.SpanKind.SERVER,
+            attributes={"pdserve.pool_request_id": request_id, "gen_ai.usage.input_tokens": len(prompt_token_ids)}
+            | (attributes or {}),
+        )
+        num_output, finish = 0, None
         try:
             # aclosing: a client gone mid-stream closes the pool calls now, not at garbage collection.
             async with contextlib.aclosing(
                 self._run(request_id, prompt_token_ids, params, cache_salt, deadline, span)
             ) as deltas:
                 async for delta in deltas:
+                    num_output += len(delta.new_token_ids)
+                    finish = delta.finish_reason or finish
+                    if delta.error is not None:
+                        span.set_status(trace.StatusCode.ERROR, "the request failed inside the cluster")
                     yield delta
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
+                span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+            raise
         finally:
+            span.set_attribute("gen_ai.usage.output_tokens", num_output)
+            if finish is not None:
+                span.set_attribute("gen_ai.response.finish_reasons", [finish])
             span.end()
 
     async def _run(
@@ -138,7 +168,7 @@ class Orchestrator:
                 prompt_token_ids=prompt_token_ids + sent_ids,
                 sampling=attempt_params.to_dict(),
                 cache_salt=cache_salt,
-            )
+            )  # its trace_context is the attempt's span, set in _attempt
             resumed = bool(sent_ids)
             span.set_attribute("attempts", attempt + 1)
             try:
@@ -186,7 +216,9 @@ class Orchestrator:
         its facts: the first token's logprob (a request asking for logprobs holds its first delta
         for it) and the prompt's cache hits (needed by the usage of the last delta)."""
         span = _tracer.start_span("pdserve.attempt", context=trace.set_span_in_context(parent))
-        span.set_attribute("pool_request_id", request.request_id)
+        span.set_attribute("pdserve.pool_request_id", request.request_id)
+        carrier = inject(trace.set_span_in_context(span))  # the pools' spans are the attempt's children
+        request = dataclasses.replace(request, trace_context=carrier or None)
         stream = self.decode.options(stream=True).generate.remote(request)
         prefill_task: asyncio.Task | None = None
         prefilled: PrefillResult | None = None

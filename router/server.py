@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from common.block_hash import SHORT_HASH_BYTES
 from common.errors import InvalidRequestError, OverloadedError
 from common.serving import StreamDelta
+from common.tracing import extract, setup_tracing
 from router import protocol
 from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
@@ -142,6 +143,23 @@ async def _await(response: Any) -> Any:
     return await response
 
 
+def _gen_ai_attributes(operation: str, model: str, parsed: ParsedRequest, request_id: str) -> dict[str, Any]:
+    """The request's span attributes after OpenTelemetry's GenAI conventions (never the prompt)."""
+    sampling = parsed.sampling
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": "pdserve",
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+        "pdserve.request_id": request_id,
+    }
+    if sampling.seed is not None:
+        attributes["gen_ai.request.seed"] = sampling.seed
+    return attributes
+
+
 def _without_hashes(report: dict) -> dict:
     packed = report.get("cached_blocks", b"")
     shown = {key: value for key, value in report.items() if key != "cached_blocks"}
@@ -175,8 +193,11 @@ class RouterServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        tracing: tuple[str, str | None] = ("none", None),
     ) -> None:
         from transformers import AutoTokenizer
+
+        setup_tracing(tracing[0], "pdserve-router", tracing[1])
 
         decode, prefill = _over_grpc(decode), _over_grpc(prefill)
         self.decode = decode
@@ -302,7 +323,16 @@ class RouterServer:
             "request %s (%s): %d prompt tokens, stream=%s", request_id, internal_id, len(prompt_ids), parsed.stream
         )
         self.num_in_flight += 1
-        run = self.orchestrator.run(internal_id, prompt_ids, parsed.sampling, parsed.cache_salt)
+        operation = "chat" if parsed.kind == "chat" else "text_completion"
+        run = self.orchestrator.run(
+            internal_id,
+            prompt_ids,
+            parsed.sampling,
+            parsed.cache_salt,
+            trace_context=extract(request.headers),  # a client's W3C traceparent: its span is the parent
+            span_name=f"{operation} {self.served_model}",
+            attributes=_gen_ai_attributes(operation, self.served_model, parsed, request_id),
+        )
         deltas = self._tracked(run, started, request_id, len(prompt_ids))
         try:
             first = await _unless_client_left(request, deltas.__anext__())  # refusals surface here

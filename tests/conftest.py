@@ -147,3 +147,26 @@ def hf_reference():
         return cache[key]
 
     return get
+
+
+_SPAN_EXPORTER = None
+
+
+@pytest.fixture
+def finished_spans():
+    """Spans this process records, in memory: OpenTelemetry allows one tracer provider per process,
+    so the first use installs it for the session and each test starts from an empty list."""
+    global _SPAN_EXPORTER
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    if _SPAN_EXPORTER is None:
+        _SPAN_EXPORTER = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_SPAN_EXPORTER))
+        trace.set_tracer_provider(provider)
+    _SPAN_EXPORTER.clear()
+    yield _SPAN_EXPORTER.get_finished_spans
+    _SPAN_EXPORTER.clear()

@@ -136,6 +136,7 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
         ({"kv_cache_memory": 1.5}, r"kv_cache_memory=1.5"),
         ({"port": 70000}, r"port=70000 must be in 0\.\.65535"),
         ({"stream_interval": 0}, r"stream_interval=0 must be an integer >= 1"),
+        ({"tracing": "jaeger"}, r"tracing='jaeger' is not supported; use none, console, file:PATH or otlp"),
         ({"prefill.tensor_parallel_size": 0}, r"^prefill\.tensor_parallel_size=0 must be >= 1"),
         ({"decode.replicas": 0}, r"^decode\.replicas=0 must be >= 1"),
         ({"colocated.max_num_seqs": 0}, r"^colocated\.max_num_seqs=0 must be >= 1"),

@@ -202,6 +202,45 @@ def test_cache_salt_keeps_each_tenant_s_prefix_cache_apart(cluster):
     cluster.wait_idle()
 
 
+def test_one_trace_follows_a_request_from_the_client_through_router_prefill_kv_and_decode(cluster, tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "spans.jsonl"
+    cluster.ensure(**DISAGG, transport="tcp", tracing=f"file:{path}")
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    prompt = "Trace me: " + long_text(1)
+    headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+    status, _, payload = post(
+        cluster.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}, headers
+    )
+    assert status == 200, payload
+    cluster.wait_idle()
+    wanted = {"pdserve.attempt", "pdserve.prefill", "pdserve.kv_transfer", "pdserve.decode", "pdserve.decode.generate"}
+    deadline = time.monotonic() + 30
+    while True:  # every process writes its spans as they end
+        lines = path.read_text().splitlines() if path.exists() else []
+        spans = [s for s in map(json.loads, lines) if s["context"]["trace_id"] == f"0x{trace_id}"]
+        if wanted <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    by_name = {s["name"]: s for s in spans}
+
+    def parent_of(name: str) -> str:
+        return next(n for n, s in by_name.items() if s["context"]["span_id"] == by_name[name]["parent_id"])
+
+    request = by_name[f"text_completion {MODEL}"]
+    assert request["parent_id"] == f"0x{client_span}" and request["kind"] == "SpanKind.SERVER"
+    assert request["attributes"]["gen_ai.usage.output_tokens"] == 4
+    assert parent_of("pdserve.attempt") == request["name"]
+    assert parent_of("pdserve.prefill") == parent_of("pdserve.decode") == "pdserve.attempt"
+    for name in ("pdserve.prefill.queue", "pdserve.prefill.chunk", "pdserve.kv_transfer"):
+        assert parent_of(name) == "pdserve.prefill"
+    for name in ("pdserve.decode.reserve", "pdserve.decode.kv_wait", "pdserve.decode.generate"):
+        assert parent_of(name) == "pdserve.decode"
+    services = {s["resource"]["attributes"]["service.name"] for s in spans}
+    assert services == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    assert by_name["pdserve.kv_transfer"]["attributes"]["pdserve.kv_bytes"] > 0
+    assert prompt[:40] not in path.read_text()  # prompt text is never recorded
+
+
 def test_colocated_greedy_matches_transformers(cluster, expected):
     cluster.ensure(mode="colocated")
     check_greedy(cluster, expected)

@@ -199,23 +199,47 @@ def test_closing_the_stream_early_cancels_the_decode_request():
     assert decode.streams[0].cancelled
 
 
-def test_each_request_and_each_attempt_is_a_trace_span():
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)  # the orchestrator's proxy tracer starts using it
+def test_each_request_and_each_attempt_is_a_trace_span(finished_spans):
     run(Orchestrator(FakeDecode([{"die_after": 2}, {}]), FakePrefill([])), GREEDY)
-    spans = {s.name: s for s in exporter.get_finished_spans()}
-    attempts = [s for s in exporter.get_finished_spans() if s.name == "pdserve.attempt"]
+    spans = {s.name: s for s in finished_spans()}
+    attempts = [s for s in finished_spans() if s.name == "pdserve.attempt"]
     request = spans["pdserve.request"]
     assert request.attributes["attempts"] == 2 and len(attempts) == 2
     assert all(a.parent.span_id == request.context.span_id for a in attempts)
     assert [e.name for e in attempts[1].events] == ["kv_ticket", "prefill_done", "first_token"]
+
+
+def test_a_client_s_traceparent_parents_the_request_and_the_pools_get_their_attempt_s(finished_spans):
+    from common.tracing import extract
+
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"Traceparent": f"00-{client_trace}-{client_span}-01"}
+    decode, prefill = FakeDecode([{}]), FakePrefill([])
+
+    async def collect():
+        deltas = Orchestrator(decode, prefill).run(
+            "req",
+            [1, 2, 3],
+            GREEDY,
+            trace_context=extract(headers),
+            span_name="text_completion smol",
+            attributes={"gen_ai.operation.name": "text_completion", "gen_ai.request.model": "smol"},
+        )
+        return [d async for d in deltas]
+
+    deltas = asyncio.run(collect())
+    spans = {s.name: s for s in finished_spans()}
+    request, attempt = spans["text_completion smol"], spans["pdserve.attempt"]
+    assert f"{request.context.trace_id:032x}" == client_trace and f"{request.parent.span_id:016x}" == client_span
+    assert request.kind.name == "SERVER" and attempt.parent.span_id == request.context.span_id
+    assert request.attributes["gen_ai.request.model"] == "smol"
+    assert request.attributes["gen_ai.usage.input_tokens"] == 3
+    assert request.attributes["gen_ai.usage.output_tokens"] == len(tokens(deltas)) == 8
+    assert request.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    # Both pools' calls carry the attempt's span as their parent, in W3C form.
+    parent = f"00-{client_trace}-{attempt.context.span_id:016x}-01"
+    assert decode.streams[0].request.trace_context == {"traceparent": parent}
+    assert prefill.requests[0].trace_context == {"traceparent": parent}
 
 
 def test_resumed_text_is_recomputed_so_a_held_back_character_is_not_lost(monkeypatch):
