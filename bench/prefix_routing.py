@@ -3,8 +3,10 @@
 Starts ``pdserve serve`` once per placement policy (same cluster shape, same seeded workload, a
 fresh prefix cache each time), replays the workload open-loop through the OpenAI API, and reports
 per policy: the prefix-cache hit rate (prompt tokens the servers' usage says were cached, over all
-prompt tokens), TTFT p50/p99, TPOT p50 and failures; the per-replica hit counters from the
-router's /metrics show where the hits happened. Prints a table and writes
+prompt tokens) next to the reachable one (one cache shared by all replicas, with this run's
+timing: a prompt can reuse an earlier one only once that one's prefill is done), TTFT p50/p99,
+TPOT p50 and failures; the per-replica hit counters from the router's /metrics show where the
+hits happened. Prints a table and writes
 bench/results/prefix_routing.json.
 
     python -m bench.prefix_routing [--policies cache_aware least_loaded random] [--rate 1.5]
@@ -49,7 +51,27 @@ def replica_hits(port: int) -> dict[str, tuple[float, float]]:
     return {key: (queried[key], hits.get(key, 0.0)) for key in sorted(queried)}
 
 
-def run_policy(policy: str, args: argparse.Namespace, workload) -> dict:
+def reachable_hit_rate(prompt_ids: list[list[int]], records, block_size: int = 16) -> float | None:
+    """The hit rate of one cache shared by every replica, as this run's timing allowed: a request
+    can reuse the full blocks it shares with an earlier request whose first token (its prefill
+    done) came before this one was sent. The ceiling any placement could reach on this run."""
+    done = [(r.send_s + r.ttft_s) if r.ttft_s is not None else None for r in records]
+    total = hits = 0
+    for i, (ids, record) in enumerate(zip(prompt_ids, records, strict=True)):
+        best = 0
+        for j, other in enumerate(prompt_ids):
+            if j == i or done[j] is None or done[j] > record.send_s:
+                continue
+            n, limit = 0, min(len(ids), len(other))
+            while n < limit and ids[n] == other[n]:
+                n += 1
+            best = max(best, n)
+        total += len(ids)
+        hits += min(best // block_size * block_size, len(ids) - 1)
+    return hits / total if total else None
+
+
+def run_policy(policy: str, args: argparse.Namespace, workload, prompt_ids: list[list[int]]) -> dict:
     shape = ["--prefill-replicas", str(args.replicas)] if args.mode == "disagg" else ["--replicas", str(args.replicas)]
     server = start_server(["--mode", args.mode, *shape, "--set", f"router.placement_policy={policy}", *args.serve_arg])
     try:
@@ -61,6 +83,7 @@ def run_policy(policy: str, args: argparse.Namespace, workload) -> dict:
     row = {
         "policy": policy,
         "hit_rate": summary["prefix_cache_hit_rate"],
+        "reachable": reachable_hit_rate(prompt_ids, sorted(result.records, key=lambda r: r.index)),
         "ttft_p50_s": summary["p50_ttft_s"],
         "ttft_p99_s": summary["p99_ttft_s"],
         "tpot_p50_s": summary["p50_tpot_s"],
@@ -68,7 +91,7 @@ def run_policy(policy: str, args: argparse.Namespace, workload) -> dict:
         "failed": summary["failed"],
         "replica_hits": {key: f"{int(found)}/{int(queried)}" for key, (queried, found) in hits.items()},
     }
-    return {"row": row, "summary": summary}
+    return {"row": row, "summary": summary, "requests": result.to_json()["requests"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,13 +112,15 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(DEFAULT_MODEL_NAME, None)))
     workload = build_workload(args.workload, args.rate, args.num_requests, seed=args.seed, tokenizer=tokenizer)
-    results = {policy: run_policy(policy, args, workload) for policy in args.policies}
+    prompt_ids = [tokenizer.encode(request.prompt) for request in workload]  # as the server tokenizes them
+    results = {policy: run_policy(policy, args, workload, prompt_ids) for policy in args.policies}
     rows = [r["row"] for r in results.values()]
     title = (
         f"{args.workload}, {len(workload)} requests at {args.rate}/s, {args.mode}, "
         f"{args.replicas} {'prefill ' if args.mode == 'disagg' else ''}replicas"
     )
-    print_table(title, rows, ["policy", "hit_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "req_per_s", "failed"])
+    columns = ["policy", "hit_rate", "reachable", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "req_per_s", "failed"]
+    print_table(title, rows, columns)
     for row in rows:
         print(f"  {row['policy']}: hits/queried tokens per replica {row['replica_hits']}")
     write_json("prefix_routing", {"args": vars(args), "results": results})
