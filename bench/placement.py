@@ -1,8 +1,9 @@
 """How long the router takes to place one request, with large prefix caches on every replica.
 
-Times ``router.pool_placement.PoolPlacement.place`` (what the router's Serve request router runs
-for every call on a pool's handle: the load view, hashing the prompt's blocks as the engines do,
-the prefix-index lookup on every replica, the cache-aware policy) against replicas that each
+Times ``router.pool_placement.PoolPlacement.place`` and ``routed`` (what the router's Serve
+request router runs for every call on a pool's handle: the load view, hashing the prompt's blocks
+as the engines do, the prefix-index lookup on every replica, the cache-aware policy, then
+remembering where the prompt went) against replicas that each
 report ``--cached-blocks`` cached blocks, for prompts of several lengths, half of them sharing a
 prefix cached on one replica. Also times taking in one changed report (unpacking its cached
 blocks), which happens once per report (every second per replica), not per request. Target: place
@@ -72,6 +73,7 @@ def time_placement(args: argparse.Namespace, num_replicas: int, prompt_tokens: i
         in_flight = {r.replica_id: rng.randrange(4) for r in reports}
         started = time.perf_counter()
         chosen = placement.place(request, reports, in_flight)
+        placement.routed(request, chosen.replica_id)  # what the router does once Serve has sent it
         times.append(time.perf_counter() - started)
         hits += i % 2 == 0 and chosen.replica_id == "replica-0"
     p50, p99 = np.percentile(times, [50, 99])

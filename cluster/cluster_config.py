@@ -8,6 +8,7 @@ types are refused by the loader with the full key path, the expected type and, f
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import types
 import typing
 from collections.abc import Mapping
@@ -147,6 +148,12 @@ class ClusterConfig:
         if type(self.stream_interval) is not int or self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
         check_tracing(self.tracing)
+        if self.tracing.startswith("file:"):  # every replica's process has a working directory of its own
+            object.__setattr__(self, "tracing", "file:" + str(Path(self.tracing.removeprefix("file:")).resolve()))
+        if self.tracing == "otlp" and importlib.util.find_spec("opentelemetry.exporter.otlp") is None:
+            raise ConfigError(
+                "tracing=otlp needs the OTLP exporter: pip install opentelemetry-exporter-otlp-proto-http"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in 0..65535 (0 picks a free port)")
         if not self.host:

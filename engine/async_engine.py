@@ -237,7 +237,7 @@ class AsyncEngine:
     def _run(self, build: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
         try:
             self.engine = build if isinstance(build, LLMEngine) else build()
-            self.snapshot = load_report(self.engine)
+            self.snapshot = {**load_report(self.engine), "report_time": time.time()}
         except BaseException as exc:
             built.set_exception(exc)
             return
@@ -269,7 +269,9 @@ class AsyncEngine:
             self._finish_waiter(self._room_waiters.popleft(), error=RuntimeError("the engine is shutting down"))
 
     def _publish(self) -> None:
-        self.snapshot = {**load_report(self.engine), "num_waiting_for_blocks": len(self._room_waiters)}
+        # report_time: when these figures were true (the router counts what it sent after it).
+        waiting = len(self._room_waiters)
+        self.snapshot = {**load_report(self.engine), "num_waiting_for_blocks": waiting, "report_time": time.time()}
         events = self.engine.take_kv_events()
         # Bounded: the oldest fall off, counted, so that whoever replays them knows to resync.
         kv_events = self.kv_events

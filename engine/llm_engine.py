@@ -45,6 +45,7 @@ class EngineStats:
     kv: PrefixCacheStats
 
 
+_MAX_TRANSFERS_KEPT = 4096  # ended hand-offs a caller has not taken (AsyncEngine takes each at once)
 _MIN_PREFILL_TOKENS_TIMED = 32  # a step with fewer prefill tokens times its overhead, not prefill
 _PREFILL_RATE_WEIGHT = 0.2  # of the newest step in the moving average
 
@@ -256,7 +257,7 @@ class LLMEngine:
         router needs to tell how fast a replica's queued prompts drain between its reports."""
         num_prefill = 0
         for chunk in scheduled.chunks:
-            if len(chunk.token_ids) > 1:  # a decode step computes one token a request
+            if chunk.in_prompt:
                 num_prefill += len(chunk.token_ids)
                 state = self.outputs.states.get(chunk.request_id)
                 if state is not None:
@@ -290,9 +291,11 @@ class LLMEngine:
             request_id = sent.request_id
             if sent.failure is not None:
                 self.transfer_failures[request_id] = sent.failure
-                self._count_transfer_failure(sent.failure)
+                self.num_kv_transfer_failures += 1
                 logger.warning("KV hand-off of %s failed: %s", request_id, sent.failure)
             self.transfers_sent[request_id] = sent
+            if len(self.transfers_sent) > _MAX_TRANSFERS_KEPT:  # nobody took the oldest (a bare engine)
+                del self.transfers_sent[next(iter(self.transfers_sent))]
             self.scheduler.release(request_id)  # every shard is done reading the source blocks
         for request_id, first_token in result.received:
             self.kv_ready(request_id, first_token)
@@ -303,13 +306,10 @@ class LLMEngine:
             self.executor.connector_step({"sends": [], "expects": [], "forget": forget})
             self.executor.finish_step(None)
         for request_id, reason in result.failed_receives:
-            self._count_transfer_failure(reason)
+            self.num_kv_transfer_failures += 1
+            # Counted where the lease is held (the decode side), so a pool-wide sum counts each once.
+            self.num_kv_lease_expirations += "lease expired" in reason  # kv_transfer.receiver's wording
             self.abort_request(request_id, error=reason)
-
-    def _count_transfer_failure(self, reason: str) -> None:
-        self.num_kv_transfer_failures += 1
-        if "lease expired" in reason:  # the sender's and the receiver's wording (kv_transfer)
-            self.num_kv_lease_expirations += 1
 
     # --- introspection ---------------------------------------------------------------------
     def can_accept(self) -> bool:

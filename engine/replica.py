@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 from common import env
@@ -67,8 +66,7 @@ class EngineReplica:
     async def report(self, include_cache: bool = False) -> dict:
         """The replica's ReplicaReport as a dict; ``include_cache``: with every cached block's short
         hash (what Serve's routing stats carry to the router's cache-aware placement)."""
-        fields = self.engine.snapshot  # published after every step: no wait behind a long prefill
-        taken = time.time()
+        fields = self.engine.snapshot  # published after every step (with its time): no wait behind a long prefill
         packed = b""
         if include_cache:
             async with self._cache_lock:
@@ -78,7 +76,6 @@ class EngineReplica:
             draining=self.draining,
             pid=os.getpid(),
             cached_blocks=packed,
-            report_time=taken,
             cpu_cores=list(self.core_claim.cores) if self.core_claim else [],
             cpu_cores_shared=list(self.core_claim.borrowed) if self.core_claim else [],
             **fields,
@@ -107,7 +104,8 @@ class EngineReplica:
         return self._packed
 
     async def record_routing_stats(self) -> dict:
-        return await self.report(include_cache=True)
+        # A decode replica's prefix cache is not what placement looks at (hand-offs bring the KV).
+        return await self.report(include_cache=self.engine.snapshot.get("role") != "decode")
 
     async def num_blocks_held(self) -> int:
         return await self.engine.call(lambda e: e.num_blocks_held(), timeout_s=10)

@@ -34,6 +34,7 @@ class ScheduledChunk:
     start_position: int  # the request's num_computed_tokens before this step
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the request's last token, so the step samples a new one
+    in_prompt: bool = False  # the chunk computes prompt tokens (a prefill chunk, not a decode step)
 
 
 @dataclass(slots=True)
@@ -253,6 +254,7 @@ class Scheduler:
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
             samples=start + num_new == request.num_tokens,
+            in_prompt=start < request.num_prompt_tokens,
         )
 
     # --- introspection ---------------------------------------------------------------------

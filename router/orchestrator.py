@@ -125,12 +125,13 @@ class Orchestrator:
         The request's span (``span_name``, ``attributes``) is a child of ``trace_context`` (a
         client's), and the parent of every pool's spans for it."""
         deadline = time.monotonic() + self.request_timeout_s
+        span_attributes: dict[str, Any] = {
+            "pdserve.pool_request_id": request_id,
+            "gen_ai.usage.input_tokens": len(prompt_token_ids),
+            **(attributes or {}),
+        }
         span = _tracer.start_span(
-            span_name,
-            context=trace_context,
-            kind=trace.SpanKind.SERVER,
-            attributes={"pdserve.pool_request_id": request_id, "gen_ai.usage.input_tokens": len(prompt_token_ids)}
-            | (attributes or {}),
+            span_name, context=trace_context, kind=trace.SpanKind.SERVER, attributes=span_attributes
         )
         num_output, finish = 0, None
         try:

@@ -22,13 +22,18 @@ from common.serving import ReplicaReport, ServeRequest
 from router.placement import Placement, PlacementPolicy, PlacementRequest, make_policy
 from router.prefix_index import PrefixIndex
 
-_REMEMBERED_PROMPTS = 64  # prompts whose block hashes are kept (a retry, or the other pool, asks again)
+_REMEMBERED_PROMPTS = 256  # prompts whose block hashes are kept (Serve asks again on each backoff round)
+# A replica reports every second; past a few periods without one, its queue is not assumed to drain
+# further (a replica whose engine is stuck stops reporting, and must not look idle).
+MAX_DRAIN_S = 3.0
 
 
 def estimated_queued_tokens(reported: int, routed_since: int, tokens_per_s: float, seconds_since: float) -> int:
     """Prompt tokens a replica still has to compute now: those its report counted plus those routed
-    to it since, less what it computed meanwhile at its measured rate (no rate yet: nothing drains)."""
-    return max(0, int(reported + routed_since - tokens_per_s * max(0.0, seconds_since)))
+    to it since, less what it computed meanwhile at its measured rate (no rate yet: nothing drains),
+    for at most MAX_DRAIN_S."""
+    drained = tokens_per_s * min(MAX_DRAIN_S, max(0.0, seconds_since))
+    return max(0, int(reported + routed_since - drained))
 
 
 class PoolPlacement:
@@ -42,6 +47,8 @@ class PoolPlacement:
 
     def observe(self, reports: Sequence[ReplicaReport], every_replica: bool = False) -> None:
         """Fresh reports; ``every_replica``: these are all the pool's replicas (forget the others)."""
+        if not self.uses_prefixes:
+            return
         for report in reports:
             self.prefix_index.update(report.replica_id, report.cached_blocks)
         if every_replica:
@@ -51,7 +58,7 @@ class PoolPlacement:
         self, request: ServeRequest | None, reports: Sequence[ReplicaReport], in_flight: Mapping[str, int]
     ) -> Placement:
         """Rank the replicas for ``request`` (None: a report or health call, any replica). Raises
-        NoReplicaAvailable as the policy does."""
+        NoReplicaAvailable as the policy does. Call ``routed`` once the request is on a replica."""
         now = time.time()
         views = [self._load_view(r, in_flight.get(r.replica_id, 0), now) for r in reports]
         if request is None:
@@ -62,11 +69,18 @@ class PoolPlacement:
             for r in views
         }
         num_prompt = len(request.prompt_token_ids)
-        placement = self.policy.choose(PlacementRequest(request.request_id, num_prompt, cached), views)
-        if self.uses_prefixes:
-            new_tokens = num_prompt - min(cached.get(placement.replica_id, 0), num_prompt)
-            self.prefix_index.routed(placement.replica_id, blocks, new_tokens, now)
-        return placement
+        return self.policy.choose(PlacementRequest(request.request_id, num_prompt, cached), views)
+
+    def routed(self, request: ServeRequest, replica_id: str) -> None:
+        """``request`` went to ``replica_id`` (which Serve may have taken further down the ranking):
+        its prompt counts as cached there, and its tokens that were not as queued there."""
+        if not self.uses_prefixes:
+            return
+        now = time.time()
+        blocks = self._blocks_of(request)
+        num_prompt = len(request.prompt_token_ids)
+        cached = self.prefix_index.cached_prefix_blocks(replica_id, blocks, now) * self.block_size
+        self.prefix_index.routed(replica_id, blocks, num_prompt - min(cached, num_prompt), now)
 
     def _load_view(self, report: ReplicaReport, in_flight: int, now: float) -> ReplicaReport:
         """The report as placement sees it now (see the module docstring)."""

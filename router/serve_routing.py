@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import fields
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from common.serving import ReplicaReport, ServeRequest
 from router import routing_state
@@ -24,7 +24,9 @@ logger = logging.getLogger("pdserve.router")
 _REPORT_FIELDS = {f.name for f in fields(ReplicaReport)}
 
 
-class PolicyRequestRouter(FIFOMixin, RequestRouter):
+# Not FIFOMixin: a replica found free for one request's ranking goes to that request (Serve's
+# default matching by request id), not to whichever request waited longest.
+class PolicyRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "cache_aware", role: str = "decode", block_size: int = 16) -> None:
         self.placement = PoolPlacement(policy, role, block_size)
         self.role = role
@@ -68,6 +70,13 @@ class PolicyRequestRouter(FIFOMixin, RequestRouter):
         self.last_reason = placement.reason
         logger.debug("%s -> %s replica %s: %s", request_id, self.role, placement.replica_id, placement.reason)
         return [[by_id[replica_id]] for replica_id in placement.ranking if replica_id in by_id]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        """The replica Serve sent the request to (the ranking's first with room): what the prefix
+        index remembers."""
+        request = _serve_request(pending_request)
+        if request is not None:
+            self.placement.routed(request, replica_id.unique_id)
 
 
 def _serve_request(pending: PendingRequest | None) -> ServeRequest | None:

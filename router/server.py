@@ -373,6 +373,7 @@ class RouterServer:
         num_tokens = 0
         outcome: str | None = "cancelled"
         finish_reason = None
+        yielded = False
         metrics = self.metrics
         metrics.request_started()
         try:
@@ -393,11 +394,14 @@ class RouterServer:
                         outcome = "error" if delta.error else "ok"
                         finish_reason = delta.finish_reason
                         metrics.phases(delta.queue_time_s, delta.prefill_time_s)  # colocated: from the engine
+                    yielded = True
                     yield delta
         except (GeneratorExit, asyncio.CancelledError):
             raise  # the client left: "cancelled"
         except BaseException:
-            outcome = None  # a refusal raised to _handle, which answers with its status and counts it
+            # Before any delta: a refusal raised to _handle, which answers with its status and counts
+            # it. After: the request failed in the cluster.
+            outcome = "error" if yielded else None
             raise
         finally:
             self.num_in_flight -= 1

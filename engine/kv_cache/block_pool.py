@@ -115,12 +115,16 @@ class BlockPool:
         """Take ``num_blocks`` fresh blocks (ref_cnt 1), evicting cached-free ones LRU; None if short."""
         if num_blocks > self.num_free_blocks:
             return None
-        taken = []
+        taken, evicted = [], []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
-            self._evict(block)
+            removed = self._evict(block)
+            if removed is not None:
+                evicted.append(removed)
             block.ref_cnt = 1
             taken.append(block)
+        if evicted:  # one event for the allocation: a busy cache evicts thousands of blocks a second
+            self._events.append(BlockRemoved(tuple(evicted)))
         return taken
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
@@ -186,13 +190,16 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
-    def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-            self._events.append(BlockRemoved((block.block_hash,)))
+    def _evict(self, block: KVBlock) -> BlockHash | None:
+        """Forget the block's content; returns the hash it leaves the prefix cache under, if any."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return None
         block.block_hash = None
+        if self.cached.get(block_hash) is block:
+            del self.cached[block_hash]
+            return block_hash
+        return None
 
     # --- invariants ----------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -20,6 +20,7 @@ import urllib.request
 import openai
 import pytest
 
+from router.prefix_index import ROUTED_MEMORY_S
 from tests.cluster.serving import MODEL, LocalCluster, post
 from tests.conftest import PROMPTS, long_text
 
@@ -253,7 +254,8 @@ def test_colocated_greedy_matches_transformers(cluster, expected):
 
 
 def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_though_it_is_busier(cluster, tokenizer):
-    cluster.ensure(mode="colocated", **{"colocated.replicas": 2})
+    # Room for a 1,000-token stream beside the prompts (32 MiB of float32 KV holds ~700 tokens).
+    cluster.ensure(mode="colocated", kv_cache_memory=96 * 2**20, **{"colocated.replicas": 2})
     # Warm: both replicas have measured their prefill rate (how fast routed prompts drain) and said so.
     bodies = [{"model": MODEL, "prompt": f"Warm {i}: " + long_text(1), "max_tokens": 2} for i in range(2)]
     warm = [threading.Thread(target=post, args=(cluster.url + "/v1/completions", body)) for body in bodies]
@@ -269,10 +271,13 @@ def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_t
     num_shared_blocks = len(tokenizer.encode(shared)) // cluster.config.block_size
     # A long stream keeps one replica busy; its prompt's blocks are in that replica's prefix cache.
     connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
-    body = {"model": MODEL, "prompt": shared + " First,", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": shared + " First,", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     busy = connection.getresponse()
     assert busy.status == 200 and busy.readline().startswith(b"data: {")  # its prompt is computed
+    # Past the router's memory of what it routed: only the replicas' reports of their caches can
+    # tell where the prefix is now.
+    time.sleep(ROUTED_MEMORY_S + 1.5)
     try:
         # The same prefix again: least-loaded would pick the idle replica and compute it all; the
         # cache-aware policy picks the busy one, whose cache saves all but the last partial block.

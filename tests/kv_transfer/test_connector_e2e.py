@@ -158,8 +158,8 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
         assert finished["late"].outputs[0].finish_reason == "error" and "lease" in finished["late"].error
         assert "lease" in prefill.transfer_failures["late"]
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
-        # Counted on both sides for the replicas' reports (pdserve:kv_lease_expirations).
-        assert prefill.num_kv_lease_expirations == decode.num_kv_lease_expirations == 1
+        # Counted where the lease is held (pdserve:kv_lease_expirations); a failure on both sides.
+        assert (prefill.num_kv_lease_expirations, decode.num_kv_lease_expirations) == (0, 1)
         assert prefill.num_kv_transfer_failures == decode.num_kv_transfer_failures == 1
         assert prefill.transfers_sent["late"].failure is not None
     finally:

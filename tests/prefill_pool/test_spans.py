@@ -30,7 +30,8 @@ def test_prefill_spans_cover_queue_each_chunk_and_the_kv_hand_off_under_the_atte
     metrics = RequestMetrics(arrival_time=t, first_scheduled_time=t + 0.1, first_token_time=t + 0.5)
     metrics.prefill_chunks += [(t + 0.1, t + 0.3, 24), (t + 0.3, t + 0.5, 16)]
     output = RequestOutput("r.0", None, list(range(40)), [CompletionOutput(0, "", [7])], True, metrics=metrics)
-    ended = HandoffEnded(output, None, SentKV("r.0", None, 0.25, 1 << 20), ended_at=t + 0.55)
+    # The senders took 0.2 s; the span runs from the last chunk's step to the acknowledgement, 0.25 s.
+    ended = HandoffEnded(output, None, SentKV("r.0", None, 0.2, 1 << 20), ended_at=t + 0.55)
     result = PrefillResult("r.0", 7, 0, kv_exposed_s=0.05)
     record_prefill_spans(request(kv_ticket={"backend": "tcp"}), result, ended, t, "p1")
     spans = by_name(finished_spans())

@@ -46,14 +46,28 @@ def test_a_burst_within_one_report_period_spreads_then_follows_its_prefix_once_t
     reports = [prefill(name, report_time=then, prefill_tokens_per_s=1000.0) for name in "ab"]
     placement.observe(reports, every_replica=True)
     first = placement.place(serve_request("c0", SYSTEM + [1] * 40), reports, {}).replica_id
+    placement.routed(serve_request("c0", SYSTEM + [1] * 40), first)  # Serve sent it there
     # The same system prompt at once: its prefix was routed to `first` (no report says so yet), but
     # the 296 tokens routed there are still queued there: 296 + 40 to compute against 296 elsewhere.
     second = placement.place(serve_request("c1", SYSTEM + [2] * 40), reports, {})
     assert second.replica_id != first and "0 of 296 prompt tokens cached, 0 queued" in second.reason
     # Ten in a burst: queued tokens pile up where they go, so both replicas get some.
-    chosen = {placement.place(serve_request(f"b{i}", [5000 + 64 * i + t for t in range(256)]), reports, {}).replica_id
-              for i in range(10)}  # fmt: skip
+    chosen = set()
+    for i in range(10):
+        burst = serve_request(f"b{i}", [5000 + 64 * i + t for t in range(256)])
+        chosen.add(placement.place(burst, reports, {}).replica_id)
+        placement.routed(burst, placement.place(burst, reports, {}).replica_id)
     assert chosen == {"a", "b"}
+
+
+def test_what_is_remembered_is_where_serve_sent_the_request_not_the_ranking_s_first():
+    placement = PoolPlacement("cache_aware", "prefill")
+    old = time.time() - 2.0  # whatever is routed has drained by now (1,000 tokens/s)
+    reports = [prefill(name, report_time=old, prefill_tokens_per_s=1000.0) for name in "ab"]
+    assert placement.place(serve_request("c0", SYSTEM + [1] * 40), reports, {}).ranking[0] == "a"
+    placement.routed(serve_request("c0", SYSTEM + [1] * 40), "b")  # a was full: Serve took b
+    again = placement.place(serve_request("c1", SYSTEM + [2] * 40), reports, {})
+    assert again.replica_id == "b" and "256 of 296" in again.reason
 
 
 def test_routed_tokens_stop_counting_once_the_replica_had_time_to_compute_them():
@@ -63,6 +77,7 @@ def test_routed_tokens_stop_counting_once_the_replica_had_time_to_compute_them()
     placement.observe(reports)
     first = placement.place(serve_request("c0", SYSTEM + [1] * 40), reports, {})
     assert first.replica_id == "a"  # tie: the lower id
+    placement.routed(serve_request("c0", SYSTEM + [1] * 40), "a")
     # a computed the 296 tokens in 0.3 s, long before now: the prefix alone decides.
     again = placement.place(serve_request("c1", SYSTEM + [2] * 40), reports, {"a": 1})
     assert again.replica_id == "a" and "256 of 296" in again.reason

@@ -56,7 +56,7 @@ def test_an_unchanged_report_is_not_unpacked_again_and_gone_replicas_are_forgott
     packed = pack_short_hashes(blocks(PROMPT))
     index.update("a", packed)
     unpacked = index._reported["a"]
-    index.update("a", bytes(packed))  # equal bytes: the same set object stays
+    index.update("a", bytes(packed))  # equal bytes: the same array stays
     assert index._reported["a"] is unpacked
     index.routed("b", blocks(SYSTEM), 64)
     index.keep_only(["b"])
@@ -66,7 +66,7 @@ def test_an_unchanged_report_is_not_unpacked_again_and_gone_replicas_are_forgott
 
 def test_tokens_routed_since_sums_the_entries_after_a_time_however_many_there_are():
     index = PrefixIndex()
-    n = prefix_index.MAX_ROUTED + 904  # more than are kept (the oldest fall off), and compactions
+    n = 2 * prefix_index.MAX_ROUTED + 904  # more than are kept (the oldest fall off), and compactions
     for i in range(n):
         index.routed("a", blocks([i] * 16), num_new_tokens=i, now=1000.0 + i * 0.001)
     now = 1000.0 + n * 0.001
@@ -74,3 +74,12 @@ def test_tokens_routed_since_sums_the_entries_after_a_time_however_many_there_ar
     assert index.tokens_routed_since("a", since=0.0, now=now) == sum(range(n - prefix_index.MAX_ROUTED, n))
     assert index.cached_prefix_blocks("a", blocks([n - 1] * 16), now=now) == 1
     assert index.cached_prefix_blocks("a", blocks([0] * 16), now=now) == 0  # fell off
+
+
+def test_queued_tokens_stay_right_after_compaction_when_every_live_entry_is_newer_than_the_report():
+    index = PrefixIndex()
+    n = 3 * prefix_index.MAX_ROUTED  # compacted at least once
+    for i in range(n):
+        index.routed("a", [], num_new_tokens=1, now=1000.0 + i * 0.001)
+    # A report older than every entry still alive: exactly the live entries count, not all ever routed.
+    assert index.tokens_routed_since("a", since=0.0, now=1000.0 + n * 0.001) == prefix_index.MAX_ROUTED
