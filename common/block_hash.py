@@ -9,16 +9,28 @@ prompt exactly as the engines do and looks it up in what each replica reports it
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
-
-import msgpack
 
 BlockHash = bytes
 
 
+_NO_PARENT = b"\0" * 32
+
+
+def _head(parent: BlockHash | None, salt: str | None) -> bytes:
+    """What precedes a block's tokens in its hash: its parent's hash, or for a first block 32 zero
+    bytes and the salt (length-prefixed, so no salt and tokens can be mistaken for each other)."""
+    if parent is not None:
+        return parent
+    encoded = (salt or "").encode()
+    return _NO_PARENT + len(encoded).to_bytes(4, "little") + encoded
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
-    payload = msgpack.packb([parent or b"", list(token_ids), salt or ""], use_bin_type=True)
-    return hashlib.sha256(payload).digest()
+    """SHA-256 of the parent's hash (or the salt) and the tokens as 64-bit ints: computed from one
+    bytes copy of the prompt, not a serialization per block (the router hashes every prompt)."""
+    return hashlib.sha256(_head(parent, salt) + array("q", token_ids).tobytes()).digest()
 
 
 def hash_full_blocks(
@@ -29,10 +41,16 @@ def hash_full_blocks(
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``, extending ``known`` (already computed)."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else None
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], salt if start == 0 else None)
-        hashes.append(parent)
+    start = len(hashes) * block_size
+    num_full = (len(token_ids) - start) // block_size
+    if num_full <= 0:
+        return hashes
+    raw = array("q", token_ids[start : start + num_full * block_size]).tobytes()
+    step = block_size * 8
+    previous = _head(hashes[-1] if hashes else None, salt)
+    for offset in range(0, len(raw), step):
+        previous = hashlib.sha256(previous + raw[offset : offset + step]).digest()
+        hashes.append(previous)
     return hashes
 
 

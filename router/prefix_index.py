@@ -37,6 +37,11 @@ def as_sorted_ints(packed: bytes) -> np.ndarray:
     return np.sort(np.frombuffer(packed[:usable], dtype=np.uint64))
 
 
+def _holds(sorted_ints: np.ndarray, value: np.uint64) -> bool:
+    at = int(sorted_ints.searchsorted(value))
+    return at < len(sorted_ints) and sorted_ints[at] == value
+
+
 class _RoutedLog:
     """One replica's routed prompts, oldest first, with a running sum of their new tokens, so that
     "tokens routed since t" is a binary search, not a walk over every prompt of the last seconds."""
@@ -114,9 +119,11 @@ class PrefixIndex:
         reported = self._reported.get(replica_id, _EMPTY)
         log = self._expired(replica_id, time.time() if now is None else now)
         routed = log.counts if log is not None else {}
+        wanted = np.frombuffer(b"".join(blocks), dtype=np.uint64)
+        if not _holds(reported, wanted[0]) and blocks[0] not in routed:
+            return 0  # most replicas of a pool hold not even the first block: no array search
         found = np.zeros(len(blocks), dtype=bool)
         if len(reported):
-            wanted = np.frombuffer(b"".join(blocks), dtype=np.uint64)
             at = np.minimum(np.searchsorted(reported, wanted), len(reported) - 1)
             found = reported[at] == wanted
         count = 0
