@@ -44,6 +44,7 @@ class PoolPlacement:
         self.uses_prefixes = role != "decode"  # a decode replica's prefix cache is not used for hand-offs
         self.prefix_index = PrefixIndex()
         self._prompt_blocks: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._expected: OrderedDict[str, str] = OrderedDict()  # request id -> the replica it was ranked first on
 
     def observe(self, reports: Sequence[ReplicaReport], every_replica: bool = False) -> None:
         """Fresh reports; ``every_replica``: these are all the pool's replicas (forget the others)."""
@@ -69,17 +70,28 @@ class PoolPlacement:
             for r in views
         }
         num_prompt = len(request.prompt_token_ids)
-        return self.policy.choose(PlacementRequest(request.request_id, num_prompt, cached), views)
+        placement = self.policy.choose(PlacementRequest(request.request_id, num_prompt, cached), views)
+        if self.uses_prefixes and request.request_id not in self._expected:
+            # Remembered at once as going to the ranking's first: the requests of a burst are ranked
+            # before Serve has sent any of them, and must see each other's prompts to spread.
+            self._remember(request, placement.replica_id, blocks, cached.get(placement.replica_id, 0), now)
+            self._expected[request.request_id] = placement.replica_id
+            if len(self._expected) > _REMEMBERED_PROMPTS:
+                self._expected.popitem(last=False)
+        return placement
 
     def routed(self, request: ServeRequest, replica_id: str) -> None:
-        """``request`` went to ``replica_id`` (which Serve may have taken further down the ranking):
-        its prompt counts as cached there, and its tokens that were not as queued there."""
-        if not self.uses_prefixes:
+        """``request`` went to ``replica_id``. Usually the ranking's first, already remembered; when
+        Serve took another (the first was full), the prompt is remembered there too."""
+        if not self.uses_prefixes or self._expected.pop(request.request_id, None) == replica_id:
             return
         now = time.time()
         blocks = self._blocks_of(request)
-        num_prompt = len(request.prompt_token_ids)
         cached = self.prefix_index.cached_prefix_blocks(replica_id, blocks, now) * self.block_size
+        self._remember(request, replica_id, blocks, cached, now)
+
+    def _remember(self, request: ServeRequest, replica_id: str, blocks: list[bytes], cached: int, now: float) -> None:
+        num_prompt = len(request.prompt_token_ids)
         self.prefix_index.routed(replica_id, blocks, num_prompt - min(cached, num_prompt), now)
 
     def _load_view(self, report: ReplicaReport, in_flight: int, now: float) -> ReplicaReport:

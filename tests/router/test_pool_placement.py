@@ -55,19 +55,24 @@ def test_a_burst_within_one_report_period_spreads_then_follows_its_prefix_once_t
     chosen = set()
     for i in range(10):
         burst = serve_request(f"b{i}", [5000 + 64 * i + t for t in range(256)])
-        chosen.add(placement.place(burst, reports, {}).replica_id)
-        placement.routed(burst, placement.place(burst, reports, {}).replica_id)
+        ranked_first = placement.place(burst, reports, {}).replica_id  # no Serve callback yet
+        chosen.add(ranked_first)
     assert chosen == {"a", "b"}
 
 
-def test_what_is_remembered_is_where_serve_sent_the_request_not_the_ranking_s_first():
+def test_a_prompt_is_remembered_once_where_ranked_first_and_also_where_serve_sent_it_instead():
     placement = PoolPlacement("cache_aware", "prefill")
-    old = time.time() - 2.0  # whatever is routed has drained by now (1,000 tokens/s)
-    reports = [prefill(name, report_time=old, prefill_tokens_per_s=1000.0) for name in "ab"]
-    assert placement.place(serve_request("c0", SYSTEM + [1] * 40), reports, {}).ranking[0] == "a"
-    placement.routed(serve_request("c0", SYSTEM + [1] * 40), "b")  # a was full: Serve took b
-    again = placement.place(serve_request("c1", SYSTEM + [2] * 40), reports, {})
-    assert again.replica_id == "b" and "256 of 296" in again.reason
+    reports = [prefill(name, report_time=time.time()) for name in "ab"]
+    c0 = serve_request("c0", SYSTEM + [1] * 40)
+    assert placement.place(c0, reports, {}).replica_id == "a"
+    placement.place(c0, reports, {})  # Serve ranks again on a backoff round: not counted twice
+    placement.routed(c0, "a")  # and Serve sent it there: nothing more
+    assert placement.prefix_index.tokens_routed_since("a", 0.0) == 296
+    c1 = serve_request("c1", [9] * 296)
+    assert placement.place(c1, reports, {}).replica_id == "b"
+    placement.routed(c1, "a")  # b was full: Serve took a
+    assert placement.prefix_index.tokens_routed_since("a", 0.0) == 296 + 296
+    assert placement.prefix_index.cached_prefix_blocks("a", placement._blocks_of(c1)) == 18
 
 
 def test_routed_tokens_stop_counting_once_the_replica_had_time_to_compute_them():
