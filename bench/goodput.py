@@ -51,6 +51,12 @@ _FLAGS = {
     "cores": "--cores",
     "dtype": "--dtype",
 }
+# config key -> the `pdserve serve --set` key it sets (no flag of its own, or a flag without a value)
+_SET_KEYS = {
+    "conditional_disaggregation": "router.conditional_disaggregation",
+    "local_prefill_max_stall_s": "router.local_prefill_max_stall_s",
+    "placement_policy": "router.placement_policy",
+}
 SLO_SCALES = (0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0)
 
 
@@ -68,16 +74,21 @@ class Configuration:
     def parse(cls, text: str) -> Configuration:
         name, _, body = text.partition(":")
         settings = dict(item.split("=", 1) for item in body.split(",") if item)
-        unknown = set(settings) - set(_FLAGS)
+        unknown = set(settings) - set(_FLAGS) - set(_SET_KEYS)
         if not name or unknown:
-            raise SystemExit(f"--config {text!r}: write NAME:key=value,... with keys from {sorted(_FLAGS)}")
+            known = sorted([*_FLAGS, *_SET_KEYS])
+            raise SystemExit(f"--config {text!r}: write NAME:key=value,... with keys from {known}")
         return cls(name, settings)
 
     def serve_args(self, extra: list[str]) -> list[str]:
-        return [arg for key, value in self.settings.items() for arg in (_FLAGS[key], value)] + extra
+        args = []
+        for key, value in self.settings.items():
+            args += [_FLAGS[key], value] if key in _FLAGS else ["--set", f"{_SET_KEYS[key]}={value}"]
+        return args + extra
 
     def spec(self) -> ClusterSpec:
-        s = {k: int(v) for k, v in self.settings.items() if k not in ("mode", "transport")}
+        """The simulator's cluster (it models pools and replicas, not the router's options)."""
+        s = {k: int(v) for k, v in self.settings.items() if k not in ("mode", "transport", "dtype", *_SET_KEYS)}
         if self.settings.get("mode", "disagg") == "colocated":
             return ClusterSpec("colocated", colocated_replicas=s.get("replicas", 1), colocated_tp=s.get("tp", 1))
         return ClusterSpec(

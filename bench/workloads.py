@@ -151,6 +151,23 @@ def summarization(n: int, rng: np.random.Generator, *, max_model_len: int = 2048
     return fit_lengths(*SUMMARIZATION.sample(n, rng), max_model_len, scale)
 
 
+# Chat turns and pasted documents in one stream: short prompts most of the time, long ones now and
+# then (what conditional disaggregation is for: the short ones need no hand-off).
+MIXED_SHORT_PROMPT = (16, 160)
+MIXED_LONG_PROMPT = (768, 1536)
+MIXED_LONG_SHARE = 0.25
+MIXED_OUTPUT = (32, 128)
+
+
+def mixed(n: int, rng: np.random.Generator, *, max_model_len: int = 2048, scale: float = 1.0) -> Lengths:
+    """A quarter of prompts long (768–1,536 tokens), the rest short (16–160); outputs 32–128, all uniform."""
+    is_long = rng.random(n) < MIXED_LONG_SHARE
+    short = rng.integers(*MIXED_SHORT_PROMPT, n, endpoint=True)
+    long = rng.integers(*MIXED_LONG_PROMPT, n, endpoint=True)
+    output = rng.integers(*MIXED_OUTPUT, n, endpoint=True)
+    return fit_lengths(np.where(is_long, long, short), output, max_model_len, scale)
+
+
 def fixed(input_len: int, output_len: int, n: int, *, max_model_len: int = 2048, scale: float = 1.0) -> Lengths:
     """Every request the same: ``input_len`` prompt tokens, ``output_len`` output tokens."""
     return fit_lengths(np.full(n, input_len), np.full(n, output_len), max_model_len, scale)
@@ -175,7 +192,12 @@ def uniform(
 
 
 LengthSampler = Callable[..., Lengths]  # (n, rng, *, max_model_len, scale) -> Lengths
-WORKLOADS: dict[str, LengthSampler] = {"chatbot": chatbot, "code": code, "summarization": summarization}
+WORKLOADS: dict[str, LengthSampler] = {
+    "chatbot": chatbot,
+    "code": code,
+    "summarization": summarization,
+    "mixed": mixed,
+}
 _FORMS = (
     f"{', '.join(WORKLOADS)}, fixed:IN,OUT, uniform:MIN_IN,MAX_IN,MIN_OUT,MAX_OUT, trace:PATH, "
     "multiturn[:SYSTEM_PROMPTS,TURNS[,SYSTEM_TOKENS]]"

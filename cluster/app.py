@@ -262,7 +262,17 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
         server, args = PrefillServer, (engine_config.to_dict(), launcher, timeout_s, spec.cores, tracing)
     else:
         lease = (config.router.kv_lease_s, config.router.kv_lease_per_token_s)
-        args = (engine_config.to_dict(), launcher, lease, timeout_s, spec.cores, config.stream_interval, tracing)
+        stall_s = config.router.local_prefill_max_stall_s
+        args = (
+            engine_config.to_dict(),
+            launcher,
+            lease,
+            timeout_s,
+            spec.cores,
+            config.stream_interval,
+            tracing,
+            stall_s,
+        )
         server = DecodeServer
     return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)
 
@@ -300,6 +310,7 @@ def build_app(config: ClusterConfig):
         config.port,
         DEFAULT_MAX_BODY_BYTES,
         (config.tracing, config.tracing_endpoint),
+        config.mode == "disagg" and config.router.conditional_disaggregation,
     )
     router_options = {
         "name": "router",

@@ -90,6 +90,12 @@ class RouterConfig:
     kv_lease_per_token_s: float = 0.02
     max_concurrent_requests: int = 1024  # admission control: beyond it the router answers 503
     max_retries: int = 1  # prefill retries / decode resumes per request
+    # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
+    # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
+    # sooner, and it would not hold up its running batch longer than local_prefill_max_stall_s
+    # (decode_pool/prefill_site.py).
+    conditional_disaggregation: bool = False
+    local_prefill_max_stall_s: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.placement_policy:
@@ -103,6 +109,10 @@ class RouterConfig:
             raise ConfigError(f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
         if self.max_retries < 0:
             raise ConfigError(f"max_retries={self.max_retries} must be >= 0 (0 disables retries)")
+        if type(self.conditional_disaggregation) is not bool:
+            raise ConfigError(f"conditional_disaggregation={self.conditional_disaggregation!r} must be true or false")
+        if not self.local_prefill_max_stall_s >= 0:
+            raise ConfigError(f"local_prefill_max_stall_s={self.local_prefill_max_stall_s} must be >= 0 seconds")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ FLAG_KEYS = {
     "dtype": "dtype",
     "transport": "transport",
     "stream_interval": "stream_interval",
+    "conditional_disaggregation": "router.conditional_disaggregation",
     "tracing": "tracing",
     "kv_cache_memory": "kv_cache_memory",
     "prefill_replicas": "prefill.replicas",
@@ -57,6 +58,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["shm", "grpc", "torch", "tcp"], help="KV transport between pools")
     parser.add_argument(
         "--stream-interval", type=int, help="tokens per streamed chunk after the first (default 1: every token)"
+    )
+    parser.add_argument(
+        "--conditional-disaggregation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="disagg mode: a decode replica computes a prompt itself when that is sooner than the prefill pool "
+        "(default off)",
     )
     parser.add_argument(
         "--tracing", help="where trace spans go: none (default), console, file:PATH or otlp (see tracing_endpoint)"

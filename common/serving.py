@@ -23,6 +23,27 @@ class ServeRequest:
     cache_salt: str | None = None
     kv_ticket: dict[str, Any] | None = None  # prefill only: where to push the KV
     trace_context: dict[str, str] | None = None  # W3C traceparent/tracestate of the caller's span
+    # Decode only, with conditional disaggregation: the router's estimate of the prefill pool's
+    # path; the decode replica weighs it against computing the prompt itself. None: always remote.
+    remote_prefill: RemotePrefillEstimate | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefillEstimate:
+    """What the prompt would cost on the prefill pool's best replica, as the router sees it now."""
+
+    replica_id: str
+    num_queued_tokens: int  # prompt tokens queued ahead of it there
+    num_cached_tokens: int  # of this prompt, in that replica's prefix cache
+    tokens_per_s: float  # the replica's measured prefill rate (> 0)
+    # Measured at the router (a moving average over disaggregated requests): their TTFT less the
+    # prefill replica's queue and compute, i.e. the reservation, the hops and the exposed KV transfer.
+    overhead_s: float
+
+    def seconds(self, num_prompt_tokens: int) -> float:
+        """Time to this prompt's first token by the remote path."""
+        to_compute = self.num_queued_tokens + max(1, num_prompt_tokens - self.num_cached_tokens)
+        return to_compute / self.tokens_per_s + self.overhead_s
 
 
 @dataclass(frozen=True, slots=True)

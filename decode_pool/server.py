@@ -9,7 +9,9 @@ A request's life on a decode replica::
 
 ``generate`` first yields a ``TicketIssued`` (blocks reserved; the router hands the ticket to a
 prefill replica), then one ``StreamDelta`` per engine step that produced tokens. In colocated
-mode the same replica runs the prefill too: no ticket, the deltas start at once.
+mode the same replica runs the prefill too: no ticket, the deltas start at once. With conditional
+disaggregation (the request carries the router's ``remote_prefill`` estimate) a decode replica
+may compute the prompt itself when that is cheaper (decode_pool.prefill_site): no ticket either.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from common.outputs import RequestMetrics, RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
 from common.tracing import setup_tracing
+from decode_pool.prefill_site import LocalState, PrefillSite, choose_prefill_site
 from decode_pool.stream_interval import every_n_tokens
 from engine.executor import WorkerLauncher
 from engine.llm_engine import LLMEngine
@@ -86,6 +89,7 @@ class DecodeServer(EngineReplica):
         cores: int | None = None,
         stream_interval: int = 1,
         tracing: tuple[str, str | None] = ("none", None),
+        local_prefill_max_stall_s: float = 0.1,
     ) -> None:
         config = EngineConfig.from_dict(engine_config)
         setup_tracing(tracing[0], f"pdserve-{config.scheduler.role.value}", tracing[1])
@@ -98,6 +102,7 @@ class DecodeServer(EngineReplica):
         self.item_timeout_s = item_timeout_s
         self.reserve_timeout_s = min(self.kv_lease_s, item_timeout_s)
         self.stream_interval = stream_interval  # tokens per delta after the first (decode_pool.stream_interval)
+        self.local_prefill_max_stall_s = local_prefill_max_stall_s  # decode_pool.prefill_site
         logger.info("decode replica %s ready (%s)", self.replica_id, config.scheduler.role.value)
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TicketIssued | StreamDelta]:
@@ -122,6 +127,7 @@ class DecodeServer(EngineReplica):
             yield _error_delta(request_id, f"invalid_request: {exc}", self.replica_id)
             return
         outputs = self.engine.open_stream(request_id)
+        prefilled_here = self.colocated
         try:
             if self.colocated:
                 await self.engine.call(
@@ -129,11 +135,15 @@ class DecodeServer(EngineReplica):
                 )
             else:
                 # A burst waits for blocks in the engine's bounded FIFO, woken as blocks free.
-                reserve = lambda e: self._reserve(e, request, params)  # noqa: E731
-                ticket = await self.engine.call_when_room(reserve, self.reserve_timeout_s)
+                place = lambda e: self._place_prompt(e, request, params)  # noqa: E731
+                ticket, site = await self.engine.call_when_room(place, self.reserve_timeout_s)
                 if timeline is not None:
-                    timeline.ticket_issued = time.monotonic()
-                yield TicketIssued(request_id, ticket, self.replica_id)
+                    timeline.prefill_site = site
+                prefilled_here = site is not None and site.local
+                if ticket is not None:
+                    if timeline is not None:
+                        timeline.ticket_issued = time.monotonic()
+                    yield TicketIssued(request_id, ticket, self.replica_id)
         except (InvalidRequestError, OverloadedError) as exc:
             self.engine.close_stream(request_id)
             kind = "overloaded" if isinstance(exc, OverloadedError) else "invalid_request"
@@ -147,10 +157,39 @@ class DecodeServer(EngineReplica):
         async with contextlib.aclosing(self.engine.stream(request_id, outputs, self.item_timeout_s)) as stream:
             batches = every_n_tokens(stream, self.stream_interval) if self.stream_interval > 1 else stream
             async for batch in batches:
-                delta = to_delta(batch, self.replica_id, self.colocated)
+                delta = to_delta(batch, self.replica_id, prefilled_here)
                 if timeline is not None:
                     timeline.saw(delta, batch[-1])
                 yield delta
+
+    def _place_prompt(
+        self, engine: LLMEngine, request: ServeRequest, params: SamplingParams
+    ) -> tuple[dict | None, PrefillSite | None] | None:
+        """On the engine thread: compute the prompt here (queued as a colocated request) or reserve
+        blocks for the prefill pool's KV. (ticket or None, the decision if one was weighed); None:
+        no room for the reservation yet (call_when_room tries again as blocks free)."""
+        site = None
+        if request.remote_prefill is not None:
+            site = self._weigh_prefill_site(engine, request)
+            if site.local:
+                engine.add_request(request.request_id, request.prompt_token_ids, params, request.cache_salt)
+                return None, site
+        ticket = self._reserve(engine, request, params)
+        return None if ticket is None else (ticket, site)
+
+    def _weigh_prefill_site(self, engine: LLMEngine, request: ServeRequest) -> PrefillSite:
+        assert request.remote_prefill is not None
+        prompt = request.prompt_token_ids
+        if not engine.can_accept():
+            site = choose_prefill_site(len(prompt), request.remote_prefill, LocalState(0, 0, 0.0, 0), 0.0)
+            return PrefillSite(False, "remote: this replica's waiting queue is full", site.local_s, site.remote_s)
+        local = LocalState(
+            num_cached_tokens=engine.cached_prefix_tokens(prompt, request.cache_salt),
+            num_queued_tokens=engine.scheduler.num_prefill_tokens_queued(),
+            tokens_per_s=engine.prefill_tokens_per_s,
+            num_running=len(engine.scheduler.running),
+        )
+        return choose_prefill_site(len(prompt), request.remote_prefill, local, self.local_prefill_max_stall_s)
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
         """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""
@@ -184,6 +223,7 @@ class DecodeTimeline:
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None  # the engine's, for a colocated request's queue and prefill
+    prefill_site: PrefillSite | None = None  # conditional disaggregation's decision, when one was weighed
 
     def saw(self, delta: StreamDelta, last: RequestOutput) -> None:
         if delta.new_token_ids and self.first_token is None:
@@ -197,8 +237,9 @@ class DecodeTimeline:
 def record_decode_spans(request: ServeRequest, timeline: DecodeTimeline, replica_id: str, colocated: bool) -> None:
     """The request's spans on this replica, under the router's attempt span. Disaggregated: the
     wait for KV blocks (reserve), the wait for prefill's KV (kv_wait, ticket to first token), then
-    generation. Colocated: the prompt's queue and chunk steps (as a prefill replica's), then
-    generation."""
+    generation. Colocated, or a prompt computed here (conditional disaggregation, whose decision
+    and reason are attributes of the replica's span): the prompt's queue and chunk steps (as a
+    prefill replica's), then generation."""
     end = timeline.ended if timeline.ended is not None else time.monotonic()
     attributes = {
         "pdserve.replica": replica_id,
@@ -207,11 +248,16 @@ def record_decode_spans(request: ServeRequest, timeline: DecodeTimeline, replica
     }
     if timeline.finish_reason is not None:
         attributes["gen_ai.response.finish_reasons"] = [timeline.finish_reason]
+    site = timeline.prefill_site
+    if site is not None:
+        attributes["pdserve.prefill_site"] = site.name
+        attributes["pdserve.prefill_site.reason"] = site.reason
     name = "pdserve.colocated" if colocated else "pdserve.decode"
     parent = tracing.extract(request.trace_context)
     context = tracing.record_span(name, timeline.started, end, parent, attributes, timeline.error)
     metrics = timeline.metrics
-    if colocated and metrics is not None and metrics.first_scheduled_time is not None:
+    prefilled_here = colocated or (site is not None and site.local)
+    if prefilled_here and metrics is not None and metrics.first_scheduled_time is not None:
         tracing.record_span("pdserve.prefill.queue", metrics.arrival_time, metrics.first_scheduled_time, context)
         for start, stop, num_tokens in metrics.prefill_chunks:
             tracing.record_span("pdserve.prefill.chunk", start, stop, context, {"pdserve.num_tokens": num_tokens})

@@ -146,6 +146,10 @@ class LLMEngine:
             assert self.handoff is not None
             self.handoff.send_on_prefill(request_id, kv_ticket)
 
+    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading prompt tokens this engine's prefix cache holds now (a lookup; nothing is held)."""
+        return self.kv.cached_prefix_tokens(prompt_token_ids, cache_salt)
+
     # --- the decode role's hand-off --------------------------------------------------------
     def reserve(
         self,

@@ -107,6 +107,13 @@ class RouterMetrics:
         self._migrations = counter(
             "pdserve:request_migrations_total", "Streams resumed on another decode replica after theirs was lost."
         ).labels(model_name)
+        prefill_site = counter(
+            "pdserve:prefill_site_total",
+            "Disaggregated attempts by where their prompt ran: the prefill pool (remote) or their decode replica "
+            "(local, conditional disaggregation).",
+            ("site",),
+        )
+        self._prefill_site = {site: prefill_site.labels(model_name, site) for site in ("local", "remote")}
         self._in_flight = Gauge(
             "pdserve:router_requests_in_flight", "Requests the router is serving.", labels, registry=r
         ).labels(model_name)
@@ -155,6 +162,9 @@ class RouterMetrics:
 
     def migrated(self) -> None:
         self._migrations.inc()
+
+    def prefill_site(self, local: bool) -> None:
+        self._prefill_site["local" if local else "remote"].inc()
 
     def request_ended(
         self,

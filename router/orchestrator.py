@@ -34,6 +34,7 @@ from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
 from common.tracing import inject
+from router.remote_prefill import RemotePrefillEstimator
 
 logger = logging.getLogger(__name__)
 # Spans: the request (named by the caller, GenAI attributes) ⊃ pdserve.attempt (events: kv_ticket,
@@ -78,6 +79,8 @@ class AttemptObserver(Protocol):
 
     def migrated(self) -> None: ...
 
+    def prefill_site(self, local: bool) -> None: ...
+
 
 class _NoObserver:
     def prefill_reply(self, result: PrefillResult) -> None:
@@ -87,6 +90,9 @@ class _NoObserver:
         pass
 
     def migrated(self) -> None:
+        pass
+
+    def prefill_site(self, local: bool) -> None:
         pass
 
 
@@ -99,9 +105,13 @@ class Orchestrator:
         max_retries: int = 1,
         detokenize: Callable[[list[int], bool], str] | None = None,
         observer: AttemptObserver | None = None,
+        remote_prefill: RemotePrefillEstimator | None = None,
     ) -> None:
         self.decode = decode
         self.prefill = prefill  # None: colocated
+        # Conditional disaggregation: each request tells its decode replica what the prefill pool
+        # would cost, and the replica may compute the prompt itself. None: always the prefill pool.
+        self.remote_prefill = remote_prefill if prefill is not None else None
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.detokenize = detokenize  # (ids, skip_special_tokens) -> text; for resumed streams
@@ -219,21 +229,29 @@ class Orchestrator:
         span = _tracer.start_span("pdserve.attempt", context=trace.set_span_in_context(parent))
         span.set_attribute("pdserve.pool_request_id", request.request_id)
         carrier = inject(trace.set_span_in_context(span))  # the pools' spans are the attempt's children
-        request = dataclasses.replace(request, trace_context=carrier or None)
+        remote_prefill = self.remote_prefill.estimate(request) if self.remote_prefill is not None else None
+        request = dataclasses.replace(request, trace_context=carrier or None, remote_prefill=remote_prefill)
+        started = time.monotonic()
         stream = self.decode.options(stream=True).generate.remote(request)
         prefill_task: asyncio.Task | None = None
         prefilled: PrefillResult | None = None
         wants_logprobs = request.sampling.get("logprobs") is not None
         finished = False
         num_yielded = 0
+        first_token_s: float | None = None  # disaggregated: attempt start to the first token's arrival
+        measured = False  # the hand-off's overhead, for remote_prefill
         try:
             first = await self._next(stream, deadline)
             if isinstance(first, TicketIssued):
                 span.add_event("kv_ticket", {"decode_replica": first.replica_id})
                 assert self.prefill is not None, "a colocated pool issued a ticket"
-                prefill_request = dataclasses.replace(request, kv_ticket=first.ticket)
+                self.observer.prefill_site(local=False)
+                prefill_request = dataclasses.replace(request, kv_ticket=first.ticket, remote_prefill=None)
                 prefill_task = asyncio.ensure_future(self._prefill(prefill_request, deadline))
             else:
+                if self.prefill is not None and first.error is None:  # the decode replica ran the prompt
+                    span.add_event("prefill_local", {"decode_replica": first.replica_id})
+                    self.observer.prefill_site(local=True)
                 finished = first.finish_reason is not None
                 num_yielded += 1
                 yield first
@@ -266,6 +284,7 @@ class Orchestrator:
                         _discard(task)
                 if num_yielded == 0:
                     span.add_event("first_token", {"decode_replica": delta.replica_id})
+                    first_token_s = time.monotonic() - started
                 wants_facts_now = num_yielded == 0 and wants_logprobs  # the first token's logprob
                 if prefill_task is not None and (prefill_task.done() or wants_facts_now or delta.finish_reason):
                     # Decode sent a token, so the KV has landed: the reply brings facts, not a verdict.
@@ -276,6 +295,9 @@ class Orchestrator:
                         self.observer.prefill_reply(prefilled)
                 if prefilled is not None:
                     delta = _with_prefill_facts(delta, prefilled, num_yielded == 0, request)
+                    if self.remote_prefill is not None and not measured and first_token_s is not None:
+                        self.remote_prefill.observe(first_token_s, prefilled)
+                        measured = True
                 finished = delta.finish_reason is not None
                 num_yielded += 1
                 yield delta

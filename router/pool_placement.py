@@ -18,8 +18,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from common.block_hash import hash_full_blocks, short_hashes
-from common.serving import ReplicaReport, ServeRequest
-from router.placement import Placement, PlacementPolicy, PlacementRequest, make_policy
+from common.serving import RemotePrefillEstimate, ReplicaReport, ServeRequest
+from router.placement import NoReplicaAvailable, Placement, PlacementPolicy, PlacementRequest, make_policy
 from router.prefix_index import PrefixIndex
 
 _REMEMBERED_PROMPTS = 256  # prompts whose block hashes are kept (Serve asks again on each backoff round)
@@ -45,9 +45,11 @@ class PoolPlacement:
         self.prefix_index = PrefixIndex()
         self._prompt_blocks: OrderedDict[str, list[bytes]] = OrderedDict()
         self._expected: OrderedDict[str, str] = OrderedDict()  # request id -> the replica it was ranked first on
+        self._reports: Sequence[ReplicaReport] = ()  # the last seen, for estimate()
 
     def observe(self, reports: Sequence[ReplicaReport], every_replica: bool = False) -> None:
         """Fresh reports; ``every_replica``: these are all the pool's replicas (forget the others)."""
+        self._reports = reports
         if not self.uses_prefixes:
             return
         for report in reports:
@@ -79,6 +81,34 @@ class PoolPlacement:
             if len(self._expected) > _REMEMBERED_PROMPTS:
                 self._expected.popitem(last=False)
         return placement
+
+    def estimate(self, request: ServeRequest) -> RemotePrefillEstimate | None:
+        """What ``request``'s prompt would cost on the replica this pool would place it on now (a
+        read: nothing is remembered as routed), with ``overhead_s`` 0 for the caller to fill in.
+        None while no replica can take it or has measured its prefill rate."""
+        now = time.time()
+        views = [self._load_view(r, 0, now) for r in self._reports]
+        blocks = self._blocks_of(request) if self.uses_prefixes else []
+        cached = {
+            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now) * self.block_size
+            for r in views
+        }
+        try:
+            placement = self.policy.choose(
+                PlacementRequest(request.request_id, len(request.prompt_token_ids), cached), views
+            )
+        except NoReplicaAvailable:
+            return None
+        best = next(v for v in views if v.replica_id == placement.replica_id)
+        if best.prefill_tokens_per_s <= 0:
+            return None
+        return RemotePrefillEstimate(
+            replica_id=best.replica_id,
+            num_queued_tokens=best.num_prefill_tokens_queued,
+            num_cached_tokens=cached[best.replica_id],
+            tokens_per_s=best.prefill_tokens_per_s,
+            overhead_s=0.0,
+        )
 
     def routed(self, request: ServeRequest, replica_id: str) -> None:
         """``request`` went to ``replica_id``. Usually the ranking's first, already remembered; when

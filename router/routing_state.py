@@ -1,4 +1,5 @@
-"""The latest replica reports seen by the router's request routers, for ``/pdserve/status``.
+"""The latest replica reports seen by the router's request routers, for ``/pdserve/status``, and
+each pool's placement, for the router's estimate of conditional disaggregation.
 
 A separate module on purpose: Serve pickles a request router class by value, module globals
 included, so state kept in ``router.serve_routing`` itself would be a private copy.
@@ -7,9 +8,13 @@ included, so state kept in ``router.serve_routing`` itself would be a private co
 from __future__ import annotations
 
 import time
+from typing import Any
 
 # pool name -> (time of the report, replica id -> report dict)
 _LATEST: dict[str, tuple[float, dict[str, dict]]] = {}
+# pool name -> its router.pool_placement.PoolPlacement (for the prefill pool's estimate of
+# conditional disaggregation); one per pool handle, so per pool in the router's process.
+_PLACEMENTS: dict[str, Any] = {}
 
 
 def record(pool: str, reports: dict[str, dict]) -> None:
@@ -18,3 +23,12 @@ def record(pool: str, reports: dict[str, dict]) -> None:
 
 def latest_reports() -> dict[str, list[dict]]:
     return {pool: list(reports.values()) for pool, (_, reports) in sorted(_LATEST.items())}
+
+
+def register_placement(pool: str, placement: Any) -> None:
+    _PLACEMENTS[pool] = placement
+
+
+def placement(pool: str) -> Any | None:
+    """The pool's placement once its handle has routed (or is routing) a first call, else None."""
+    return _PLACEMENTS.get(pool)

@@ -30,6 +30,7 @@ class PolicyRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "cache_aware", role: str = "decode", block_size: int = 16) -> None:
         self.placement = PoolPlacement(policy, role, block_size)
         self.role = role
+        routing_state.register_placement(role, self.placement)
         self.last_reason = ""
 
     def _report(self, replica: RunningReplica) -> ReplicaReport:

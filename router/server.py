@@ -31,6 +31,7 @@ from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.protocol import ApiError, ParsedRequest
+from router.remote_prefill import RemotePrefillEstimator
 
 logger = logging.getLogger("pdserve.router")
 _T = TypeVar("_T")
@@ -194,6 +195,7 @@ class RouterServer:
         port: int = 0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         tracing: tuple[str, str | None] = ("none", None),
+        conditional_disaggregation: bool = False,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -206,11 +208,18 @@ class RouterServer:
         self.served_model = served_model
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vocab_size = len(self.tokenizer)
-        from router.routing_state import latest_reports
+        from router.routing_state import latest_reports, placement
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
+        remote_prefill = RemotePrefillEstimator(lambda: placement("prefill")) if conditional_disaggregation else None
         self.orchestrator = Orchestrator(
-            decode, prefill, request_timeout_s, max_retries, self._detokenize, observer=self.metrics
+            decode,
+            prefill,
+            request_timeout_s,
+            max_retries,
+            self._detokenize,
+            observer=self.metrics,
+            remote_prefill=remote_prefill,
         )
         self.max_concurrent_requests = max_concurrent_requests
         self.max_body_bytes = max_body_bytes

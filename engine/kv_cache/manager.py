@@ -59,6 +59,20 @@ class KVCacheManager:
         # Hit statistics are recorded by the caller once the request is admitted (a lookup may repeat).
         return hits, len(hits) * self.block_size
 
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now: a lookup only (nothing is
+        pinned, no statistics). As in get_computed_blocks, the last token never counts."""
+        if not self.pool.enable_prefix_caching or len(token_ids) <= self.block_size:
+            return 0
+        max_hit_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = hash_full_blocks(token_ids[: max_hit_blocks * self.block_size], self.block_size, cache_salt)
+        num_hits = 0
+        for block_hash in hashes:
+            if self.pool.get_cached_block(block_hash) is None:
+                break
+            num_hits += 1
+        return num_hits * self.block_size
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
     ) -> list[KVBlock] | None:

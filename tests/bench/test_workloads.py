@@ -80,7 +80,7 @@ def test_named_length_distributions_match_their_parameters(sampler, dist: LogNor
     assert np.median(output) == pytest.approx(dist.median(dist.output_mean, dist.output_sigma), rel=0.05)
 
 
-@pytest.mark.parametrize("name", ["chatbot", "code", "summarization"])
+@pytest.mark.parametrize("name", ["chatbot", "code", "summarization", "mixed"])
 @pytest.mark.parametrize("max_model_len", [16, 512, 2048])
 def test_lengths_respect_the_context(name, max_model_len):
     prompt, output = workloads.WORKLOADS[name](N, np.random.default_rng(3), max_model_len=max_model_len)
@@ -273,3 +273,28 @@ def test_multiturn_without_a_tokenizer_gives_lengths_and_refuses_bad_shapes():
     for name in ("multiturn:0,2", "multiturn:2", "multiturn:a,b"):
         with pytest.raises(ConfigError, match="multiturn:SYSTEM_PROMPTS,TURNS"):
             build_workload(name, 1.0, 4)
+
+
+def test_the_mixed_workload_is_mostly_short_prompts_with_a_quarter_long_ones():
+    from bench.workloads import MIXED_LONG_PROMPT, MIXED_SHORT_PROMPT, mixed
+
+    prompt, output = mixed(4000, np.random.default_rng(0), max_model_len=4096)
+    is_long = prompt >= MIXED_LONG_PROMPT[0]
+    assert 0.22 < is_long.mean() < 0.28
+    assert prompt[~is_long].max() <= MIXED_SHORT_PROMPT[1] and prompt[is_long].max() <= MIXED_LONG_PROMPT[1]
+    assert output.min() >= 32 and output.max() <= 128
+
+
+def test_goodput_configurations_pass_router_options_through_set():
+    from bench.goodput import Configuration
+
+    config = Configuration.parse("cd:mode=disagg,conditional_disaggregation=true,prefill_cores=1")
+    assert config.serve_args([]) == [
+        "--mode",
+        "disagg",
+        "--set",
+        "router.conditional_disaggregation=true",
+        "--prefill-cores",
+        "1",
+    ]
+    assert config.spec().mode == "disagg"

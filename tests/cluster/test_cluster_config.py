@@ -143,6 +143,8 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
         ({"decode.cpus_per_shard": 0}, r"^decode\.cpus_per_shard=0\.0 must be > 0"),
         ({"router.kv_lease_s": 0}, r"^router\.kv_lease_s=0\.0 must be > 0"),
         ({"router.max_retries": -1}, r"^router\.max_retries=-1 must be >= 0"),
+        ({"router.conditional_disaggregation": "yes"}, r"conditional_disaggregation"),
+        ({"router.local_prefill_max_stall_s": -0.1}, r"local_prefill_max_stall_s=-0\.1 must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key_path(overrides, match):
@@ -306,3 +308,15 @@ def test_the_default_kv_budget_is_a_share_of_free_memory_split_between_shards(mo
     explicit = load_cluster_config(overrides={"device": "cpu", "kv_cache_memory": 0.5})
     assert app.with_resolved_kv_budget(explicit) is explicit
     assert load_cluster_config().engine_config("decode").cache.kv_cache_memory == 0.2  # unresolved: per instance
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], False), (["--conditional-disaggregation"], True)])
+def test_the_conditional_disaggregation_flag_sets_the_router_key(flag, expected):
+    import argparse
+
+    from cluster.serve_cli import add_serve_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = config_from_args(parser.parse_args(flag))
+    assert config.router.conditional_disaggregation is expected

@@ -13,9 +13,11 @@ import http.client
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -106,12 +108,10 @@ def check_greedy(cluster: LocalCluster, expected) -> None:
 
 # --- correctness, one deployment per layout ---------------------------------------------------
 DISAGG = {"mode": "disagg", "prefill.tensor_parallel_size": 3, "decode.tensor_parallel_size": 1}
-
-
-@pytest.mark.parametrize("transport", ["shm", "grpc", "torch", "tcp"])
-def test_disaggregated_greedy_matches_transformers(cluster, expected, transport):
-    cluster.ensure(**DISAGG, transport=transport)
-    check_greedy(cluster, expected)
+# The tcp deployment also writes every process's spans to one file (a deployment fewer than a
+# traced one of its own): the trace test finds its request's spans there by trace id.
+TRACE_FILE = Path(tempfile.gettempdir()) / f"pdserve-test-spans-{os.getpid()}.jsonl"
+TCP_TRACED = {**DISAGG, "transport": "tcp", "tracing": f"file:{TRACE_FILE}"}
 
 
 def scrape(cluster: LocalCluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -142,7 +142,7 @@ MODEL_LABEL = (("model_name", MODEL),)
 
 
 def test_metrics_count_a_disaggregated_request_its_kv_transfer_and_each_pool_s_replicas(cluster, tokenizer):
-    config = cluster.ensure(**DISAGG, transport="tcp")  # as the last greedy test: no redeploy
+    config = cluster.ensure(**TCP_TRACED)
     before = scrape(cluster)
     prompt = "Metrics: " + long_text(1)
     num_prompt = len(tokenizer.encode(prompt))
@@ -183,7 +183,7 @@ def test_metrics_count_a_disaggregated_request_its_kv_transfer_and_each_pool_s_r
 
 
 def test_cache_salt_keeps_each_tenant_s_prefix_cache_apart(cluster):
-    cluster.ensure(**DISAGG, transport="tcp")
+    cluster.ensure(**TCP_TRACED)
     prompt = "Salted: " + long_text(2)  # many blocks, new to this deployment
 
     def cached_tokens(**extra) -> int:
@@ -203,9 +203,9 @@ def test_cache_salt_keeps_each_tenant_s_prefix_cache_apart(cluster):
     cluster.wait_idle()
 
 
-def test_one_trace_follows_a_request_from_the_client_through_router_prefill_kv_and_decode(cluster, tmp_path_factory):
-    path = tmp_path_factory.mktemp("traces") / "spans.jsonl"
-    cluster.ensure(**DISAGG, transport="tcp", tracing=f"file:{path}")
+def test_one_trace_follows_a_request_from_the_client_through_router_prefill_kv_and_decode(cluster):
+    path = TRACE_FILE
+    cluster.ensure(**TCP_TRACED)
     trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     prompt = "Trace me: " + long_text(1)
     headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
@@ -242,72 +242,10 @@ def test_one_trace_follows_a_request_from_the_client_through_router_prefill_kv_a
     assert prompt[:40] not in path.read_text()  # prompt text is never recorded
 
 
-def test_colocated_greedy_matches_transformers(cluster, expected):
-    cluster.ensure(mode="colocated")
+@pytest.mark.parametrize("transport", ["tcp", "grpc", "torch", "shm"])  # tcp: as the tests above, shm: below
+def test_disaggregated_greedy_matches_transformers(cluster, expected, transport):
+    cluster.ensure(**(TCP_TRACED if transport == "tcp" else {**DISAGG, "transport": transport}))
     check_greedy(cluster, expected)
-    # The engine's queue and prefill times reach the router with each request's last delta.
-    samples = scrape(cluster)
-    assert samples[("pdserve:request_prefill_time_seconds_count", MODEL_LABEL)] == 8
-    assert samples[("pdserve:request_queue_time_seconds_count", MODEL_LABEL)] == 8
-    assert samples[("pdserve:time_to_first_token_seconds_count", MODEL_LABEL)] == 8
-    assert by_pool(samples, "pdserve:num_requests_running")["colocated"] == 0
-
-
-def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_though_it_is_busier(cluster, tokenizer):
-    # Room for a 1,000-token stream beside the prompts (32 MiB of float32 KV holds ~700 tokens).
-    cluster.ensure(mode="colocated", kv_cache_memory=96 * 2**20, **{"colocated.replicas": 2})
-    # Warm: both replicas have measured their prefill rate (how fast routed prompts drain) and said so.
-    bodies = [{"model": MODEL, "prompt": f"Warm {i}: " + long_text(1), "max_tokens": 2} for i in range(2)]
-    warm = [threading.Thread(target=post, args=(cluster.url + "/v1/completions", body)) for body in bodies]
-    for thread in warm:
-        thread.start()
-    for thread in warm:
-        thread.join()
-    deadline = time.monotonic() + 30
-    while not all(r["prefill_tokens_per_s"] > 0 for r in cluster.status()["pools"]["colocated"]):
-        assert time.monotonic() < deadline, cluster.status()["pools"]
-        time.sleep(0.2)
-    shared = "Placement: " + long_text(3)
-    num_shared_blocks = len(tokenizer.encode(shared)) // cluster.config.block_size
-    # A long stream keeps one replica busy; its prompt's blocks are in that replica's prefix cache.
-    connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
-    body = {"model": MODEL, "prompt": shared + " First,", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
-    busy = connection.getresponse()
-    assert busy.status == 200 and busy.readline().startswith(b"data: {")  # its prompt is computed
-    # Past the router's memory of what it routed: only the replicas' reports of their caches can
-    # tell where the prefix is now.
-    time.sleep(ROUTED_MEMORY_S + 1.5)
-    try:
-        # The same prefix again: least-loaded would pick the idle replica and compute it all; the
-        # cache-aware policy picks the busy one, whose cache saves all but the last partial block.
-        status, _, payload = post(
-            cluster.url + "/v1/completions", {"model": MODEL, "prompt": shared + " Second,", "max_tokens": 2}
-        )
-        assert status == 200, payload
-        cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= (num_shared_blocks - 1) * cluster.config.block_size, cached
-    finally:
-        connection.close()
-    cluster.wait_idle()
-
-
-def test_stream_interval_sends_the_first_token_alone_then_n_at_a_time_with_the_same_text(cluster, expected):
-    cluster.ensure(mode="colocated", stream_interval=4)
-    api = client(cluster)
-    assert complete(api, PROMPTS[1], stream=True) == expected(PROMPTS[1])
-    chunks = api.completions.create(
-        model=MODEL,
-        prompt=PROMPTS[2],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        logprobs=0,  # one entry per token: how many tokens each chunk carried
-        extra_body={"ignore_eos": True},
-    )
-    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
-    assert sizes == [1, 4, 4, 3], sizes  # 12 tokens; with interval 1 it would be twelve 1s
-    cluster.wait_idle()
 
 
 # --- under load, errors, disconnects (prefill TP=3 → decode TP=1 over shared memory) ------------
@@ -413,6 +351,152 @@ def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
     connection.close()
     status = cluster.wait_idle(timeout_s=60)
     assert status["metrics"]["outcomes"].get("cancelled", 0) >= 1
+
+
+# --- colocated: one deployment of 2 replicas for every colocated test ---------------------------
+# Room for a 1,000-token stream beside the prompts (32 MiB of float32 KV holds ~700 tokens); a
+# stream interval of 4 changes chunking only, which the greedy checks compare as whole texts.
+COLOCATED = {"mode": "colocated", "kv_cache_memory": 96 * 2**20, "colocated.replicas": 2, "stream_interval": 4}
+
+
+def test_colocated_greedy_matches_transformers(cluster, expected):
+    cluster.ensure(**COLOCATED)
+    check_greedy(cluster, expected)
+    # The engine's queue and prefill times reach the router with each request's last delta.
+    samples = scrape(cluster)
+    assert samples[("pdserve:request_prefill_time_seconds_count", MODEL_LABEL)] == 8
+    assert samples[("pdserve:request_queue_time_seconds_count", MODEL_LABEL)] == 8
+    assert samples[("pdserve:time_to_first_token_seconds_count", MODEL_LABEL)] == 8
+    assert by_pool(samples, "pdserve:num_requests_running")["colocated"] == 0
+
+
+def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_though_it_is_busier(cluster, tokenizer):
+    cluster.ensure(**COLOCATED)
+    # Warm: both replicas have measured their prefill rate (how fast routed prompts drain) and said so.
+    bodies = [{"model": MODEL, "prompt": f"Warm {i}: " + long_text(1), "max_tokens": 2} for i in range(2)]
+    warm = [threading.Thread(target=post, args=(cluster.url + "/v1/completions", body)) for body in bodies]
+    for thread in warm:
+        thread.start()
+    for thread in warm:
+        thread.join()
+    deadline = time.monotonic() + 30
+    while not all(r["prefill_tokens_per_s"] > 0 for r in cluster.status()["pools"]["colocated"]):
+        assert time.monotonic() < deadline, cluster.status()["pools"]
+        time.sleep(0.2)
+    shared = "Placement: " + long_text(3)
+    num_shared_blocks = len(tokenizer.encode(shared)) // cluster.config.block_size
+    # A long stream keeps one replica busy; its prompt's blocks are in that replica's prefix cache.
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
+    body = {"model": MODEL, "prompt": shared + " First,", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    busy = connection.getresponse()
+    assert busy.status == 200 and busy.readline().startswith(b"data: {")  # its prompt is computed
+    # Past the router's memory of what it routed: only the replicas' reports of their caches can
+    # tell where the prefix is now.
+    time.sleep(ROUTED_MEMORY_S + 1.5)
+    try:
+        # The same prefix again: least-loaded would pick the idle replica and compute it all; the
+        # cache-aware policy picks the busy one, whose cache saves all but the last partial block.
+        status, _, payload = post(
+            cluster.url + "/v1/completions", {"model": MODEL, "prompt": shared + " Second,", "max_tokens": 2}
+        )
+        assert status == 200, payload
+        cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= (num_shared_blocks - 1) * cluster.config.block_size, cached
+    finally:
+        connection.close()
+    cluster.wait_idle()
+
+
+def test_stream_interval_sends_the_first_token_alone_then_n_at_a_time_with_the_same_text(cluster, expected):
+    cluster.ensure(**COLOCATED)
+    api = client(cluster)
+    assert complete(api, PROMPTS[1], stream=True) == expected(PROMPTS[1])
+    chunks = api.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        logprobs=0,  # one entry per token: how many tokens each chunk carried
+        extra_body={"ignore_eos": True},
+    )
+    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sizes == [1, 4, 4, 3], sizes  # 12 tokens; with interval 1 it would be twelve 1s
+    cluster.wait_idle()
+
+
+# --- conditional disaggregation ---------------------------------------------------------------
+# A 10 ms stall bound: any prompt of more than a few tokens stays off a running batch.
+CONDITIONAL = {
+    "mode": "disagg",
+    "transport": "shm",
+    "router.conditional_disaggregation": True,
+    "router.local_prefill_max_stall_s": 0.01,
+    "tracing": f"file:{TRACE_FILE}",
+}
+
+
+def prompts_by_site(cluster: LocalCluster) -> dict[str, float]:
+    samples = scrape(cluster)
+    return {
+        site: samples.get(("pdserve:prefill_site_total", (("model_name", MODEL), ("site", site))), 0.0)
+        for site in ("local", "remote")
+    }
+
+
+def test_conditional_disaggregation_prefills_on_an_idle_decode_replica_and_keeps_long_prompts_off_a_busy_one(
+    cluster, expected
+):
+    cluster.ensure(**CONDITIONAL)
+    # Until the prefill pool has measured its rate the router has no estimate: the pool computes.
+    warm = "Warm: " + long_text(1)
+    assert complete(client(cluster), warm, stream=False, max_tokens=2) == expected(warm, 2)
+    assert prompts_by_site(cluster) == {"local": 0, "remote": 1}
+    deadline = time.monotonic() + 30
+    while not all(r["prefill_tokens_per_s"] > 0 for r in cluster.status()["pools"]["prefill"]):
+        assert time.monotonic() < deadline, cluster.status()["pools"]
+        time.sleep(0.2)
+    # Idle: computing the prompt where it will be decoded saves the whole hand-off; the tokens are
+    # transformers' greedy ones all the same.
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    status, _, payload = post(
+        cluster.url + "/v1/completions",
+        {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0},
+        headers,
+    )
+    assert status == 200 and payload["choices"][0]["text"] == expected(PROMPTS[0])
+    for prompt in PROMPTS[1:3]:
+        assert complete(client(cluster), prompt, stream=True) == expected(prompt)
+    assert prompts_by_site(cluster) == {"local": 3, "remote": 1}
+    # Busy: a long prompt would hold up the running stream for far more than 10 ms, so the prefill
+    # pool computes it while the stream goes on.
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    busy = connection.getresponse()
+    try:
+        assert busy.status == 200 and busy.readline().startswith(b"data: {")
+        long_prompt = "Long: " + long_text(2)
+        assert complete(client(cluster), long_prompt, stream=False, max_tokens=4) == expected(long_prompt, 4)
+    finally:
+        connection.close()
+    assert prompts_by_site(cluster) == {"local": 4, "remote": 2}
+    cluster.wait_idle()
+    # The decision and its reason are on the request's trace, with the prompt's steps on decode.
+    deadline = time.monotonic() + 30
+    while True:
+        lines = TRACE_FILE.read_text().splitlines() if TRACE_FILE.exists() else []
+        spans = [s for s in map(json.loads, lines) if s["context"]["trace_id"] == f"0x{trace_id}"]
+        names = {s["name"] for s in spans}
+        if {"pdserve.decode", "pdserve.prefill.chunk"} <= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    (decode,) = [s for s in spans if s["name"] == "pdserve.decode"]
+    assert decode["attributes"]["pdserve.prefill_site"] == "local"
+    assert decode["attributes"]["pdserve.prefill_site.reason"].startswith("local: ")
+    assert "pdserve.prefill" not in names and "pdserve.decode.kv_wait" not in names
 
 
 # --- operations: overload, scaling, a decode replica killed -----------------------------------

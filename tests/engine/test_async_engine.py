@@ -202,3 +202,28 @@ def test_a_step_hands_every_stream_its_output_in_one_wake_up_of_the_loop(replica
         assert [t for o in outputs for t in o.outputs[0].new_token_ids] == outputs[-1].outputs[0].token_ids
         assert len(outputs[-1].outputs[0].token_ids) == 6
     assert steps >= 6 and wake_ups <= steps  # one hand-over per step at most (8 streams each)
+
+
+def test_the_prefix_lookup_counts_what_admission_would_hit_and_holds_nothing(tiny_dir):
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(model=str(tiny_dir)), cache=CacheConfig(kv_cache_memory=8 * 2**20))
+    )
+    try:
+        prompt = list(range(10, 60))  # 3 full blocks of 16 and 2 tokens
+        assert engine.cached_prefix_tokens(prompt) == 0
+        engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=1), cache_salt="t")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.cached_prefix_tokens(prompt, "t") == 48
+        assert engine.cached_prefix_tokens(prompt) == 0  # another tenant's salt
+        assert engine.cached_prefix_tokens(prompt[:48], "t") == 32  # the last token is always computed
+        assert engine.cached_prefix_tokens(prompt[:20] + [7] * 30, "t") == 16  # leading blocks only
+        assert engine.num_blocks_held() == 0
+        # What admission finds is what the lookup said.
+        engine.add_request("b", [*prompt, 1, 2], SamplingParams(temperature=0, max_tokens=1), cache_salt="t")
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert [o.num_cached_tokens for o in outputs if o.finished] == [48]
+    finally:
+        engine.shutdown()

@@ -7,6 +7,7 @@ import time
 from common.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest, StreamDelta
+from decode_pool.prefill_site import PrefillSite
 from decode_pool.server import DecodeTimeline, record_decode_spans
 from engine.async_engine import HandoffEnded
 from engine.kv_handoff import SentKV
@@ -90,3 +91,31 @@ def test_a_colocated_request_records_its_prompt_s_queue_and_chunks(finished_span
         "pdserve.prefill.chunk",
         "pdserve.prefill.queue",
     ]
+
+
+def test_a_prompt_computed_on_the_decode_replica_records_the_decision_its_reason_and_its_chunks(finished_spans):
+    t = time.monotonic() - 2.0
+    metrics = RequestMetrics(arrival_time=t, first_scheduled_time=t + 0.01, first_token_time=t + 0.2)
+    metrics.prefill_chunks.append((t + 0.01, t + 0.2, 40))
+    last = RequestOutput("r.0", None, [], [CompletionOutput(0, "", [1])], True, metrics=metrics)
+    timeline = DecodeTimeline(started=t)
+    timeline.prefill_site = PrefillSite(True, "local: 0 of 40 prompt tokens cached here", 0.04, 0.3)
+    timeline.saw(StreamDelta("r.0", [1], "a", finish_reason="length"), last)
+    timeline.ended = time.monotonic()
+    record_decode_spans(request(), timeline, "d1", colocated=False)
+    spans = by_name(finished_spans())
+    decode = spans["pdserve.decode"]
+    assert decode.attributes["pdserve.prefill_site"] == "local"
+    assert decode.attributes["pdserve.prefill_site.reason"].startswith("local: 0 of 40")
+    assert {"pdserve.prefill.queue", "pdserve.prefill.chunk", "pdserve.decode.generate"} <= set(spans)
+    assert "pdserve.decode.kv_wait" not in spans  # no KV was waited for
+
+
+def test_a_remote_decision_is_recorded_beside_the_wait_for_kv(finished_spans):
+    t = time.monotonic() - 2.0
+    timeline = DecodeTimeline(started=t, ticket_issued=t + 0.1, first_token=t + 0.5, ended=t + 1.0)
+    timeline.prefill_site = PrefillSite(False, "remote: would stall 3 running requests", 0.5, 0.4)
+    record_decode_spans(request(), timeline, "d1", colocated=False)
+    spans = by_name(finished_spans())
+    assert spans["pdserve.decode"].attributes["pdserve.prefill_site"] == "remote"
+    assert "pdserve.prefill.chunk" not in spans and "pdserve.decode.kv_wait" in spans
