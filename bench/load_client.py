@@ -13,6 +13,10 @@ connection per request), so timings see bytes as they arrive, with no client lib
 buffering in between. Failures (HTTP status, error event, timeout, broken connection) become records
 with an ``error`` and count as SLO misses.
 
+Where a server's usage breaks TTFT down (pdserve's ``usage.ttft_breakdown``: queue, prefill, exposed KV
+transfer, other), each record keeps it, and the summary says which part made the TTFT SLO misses
+(every completed request's, without an SLO): each part's mean, and how many had it as their largest.
+
     python -m bench.load_client --base-url http://127.0.0.1:8000/v1 --model SmolLM2-135M-Instruct \\
         --workload chatbot --rate 2 --num-requests 50 --ttft-slo 1.0 --tpot-slo 0.2 --scale 0.1
 """
@@ -24,6 +28,7 @@ import asyncio
 import json
 import ssl
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, fields
@@ -39,6 +44,8 @@ from bench.workloads import ARRIVALS, WorkloadRequest, build_workload
 from common.errors import ConfigError
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
+# The parts of pdserve's usage.ttft_breakdown (each "<part>_s"), in the order a tie is settled.
+TTFT_PARTS = ("queue", "prefill", "kv_transfer_exposed", "other")
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,22 @@ class RequestRecord:
     usage_prompt_tokens: int | None  # as the server counted them (chat templates add some)
     error: str | None = None
     usage_cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache
+    # The server's breakdown of its own TTFT (usage.ttft_breakdown; None where it sends none). The
+    # client's TTFT is longer by the network and the client's own time.
+    ttft_queue_s: float | None = None
+    ttft_prefill_s: float | None = None
+    ttft_kv_transfer_exposed_s: float | None = None  # None where no KV moved (colocated)
+    ttft_other_s: float | None = None
 
     @property
     def succeeded(self) -> bool:
         return self.error is None
+
+    def ttft_parts(self) -> dict[str, float | None] | None:
+        """{part: seconds} of the server's breakdown, None if it sent none (``other`` is always there)."""
+        if self.ttft_other_s is None:
+            return None
+        return {part: getattr(self, f"ttft_{part}_s") for part in TTFT_PARTS}
 
     @property
     def tpot_s(self) -> float | None:
@@ -77,6 +96,28 @@ def _hit_rate(records: Sequence[RequestRecord]) -> float | None:
     counted = [r for r in records if r.usage_cached_tokens is not None and r.usage_prompt_tokens]
     total = sum(r.usage_prompt_tokens or 0 for r in counted)
     return sum(r.usage_cached_tokens or 0 for r in counted) / total if total else None
+
+
+def _largest_part(parts: dict[str, float | None]) -> str:
+    return max((part for part in TTFT_PARTS if parts[part] is not None), key=lambda part: parts[part] or 0.0)
+
+
+def ttft_breakdown_summary(records: Sequence[RequestRecord], slo: SLO | None) -> dict:
+    """Over the completed requests that missed the TTFT SLO (all completed ones without an SLO) and
+    whose server broke their TTFT down: each part's mean (over those that have it; no KV moved, no
+    exposed transfer) and ``ttft_miss_by``, how many had each part as their largest."""
+    missed = [r for r in records if r.succeeded and (slo is None or r.ttft_s is None or r.ttft_s > slo.ttft_s)]
+    parts = [p for r in missed if (p := r.ttft_parts()) is not None]
+    out: dict = {
+        "ttft_breakdown_over": "completed" if slo is None else "ttft_slo_misses",
+        "ttft_breakdown_requests": len(parts),
+    }
+    for part in TTFT_PARTS:
+        values = [value for p in parts if (value := p[part]) is not None]
+        out[f"mean_ttft_{part}_s"] = float(np.mean(values)) if values else None
+    largest = Counter(_largest_part(p) for p in parts)
+    out["ttft_miss_by"] = {part: largest[part] for part in TTFT_PARTS}
+    return out
 
 
 def _percentiles(name: str, values: Sequence[float]) -> dict[str, float | None]:
@@ -124,7 +165,7 @@ class LoadResult:
             # Which phase misses: DistServe sizes the prefill pool by TTFT, the decode pool by TPOT.
             out["ttft_attainment"] = attainment(timings, SLO(slo.ttft_s, inf))
             out["tpot_attainment"] = attainment(timings, SLO(inf, slo.tpot_s))
-        return out
+        return out | ttft_breakdown_summary(self.records, slo)
 
     def to_json(self, slo: SLO | None = None) -> dict:
         """A JSON-serializable dict: the summary and every request's timings, for re-analysis."""
@@ -272,6 +313,18 @@ async def _consume(run: _Run, body: bytes, clock: _Clock, gaps: list[float], usa
                 clock.text_chunk(gaps)
 
 
+def _seconds(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _ttft_breakdown(usage: dict) -> dict[str, float | None]:
+    """The record's ttft_*_s fields from a usage object (all None where the server sends no breakdown)."""
+    breakdown = usage.get("ttft_breakdown")
+    if not isinstance(breakdown, dict):
+        breakdown = {}
+    return {f"ttft_{part}_s": _seconds(breakdown.get(f"{part}_s")) for part in TTFT_PARTS}
+
+
 async def _run_one(run: _Run, index: int, request: WorkloadRequest, body: bytes) -> RequestRecord:
     clock, error = _Clock(time.perf_counter()), None
     gaps: list[float] = []
@@ -297,6 +350,7 @@ async def _run_one(run: _Run, index: int, request: WorkloadRequest, body: bytes)
         usage_prompt_tokens=usage.get("prompt_tokens"),
         error=error,
         usage_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        **_ttft_breakdown(usage),
     )
 
 
@@ -373,6 +427,18 @@ def print_summary(result: LoadResult, slo: SLO | None = None) -> None:
     names = ["completed", "failed", "duration_s", "offered_rate", "max_send_lag_s", "request_throughput"]
     names += ["output_throughput", "slo_attainment", "ttft_attainment", "tpot_attainment"]
     print_table("load", [{"name": n, "value": s[n]} for n in names if n in s], ["name", "value"])
+    if any(r.ttft_parts() is not None for r in result.records):  # the server breaks its TTFT down
+        over = "requests that missed the TTFT SLO" if slo is not None else "completed requests"
+        rows = [
+            {
+                "part": part,
+                "mean (ms)": None if (mean := s[f"mean_ttft_{part}_s"]) is None else mean * 1000,
+                "largest in": s["ttft_miss_by"][part],
+            }
+            for part in TTFT_PARTS
+        ]
+        title = f"server TTFT breakdown, over {s['ttft_breakdown_requests']} {over}"
+        print_table(title, rows, ["part", "mean (ms)", "largest in"])
 
 
 # ---------------------------------------------------------------- CLI

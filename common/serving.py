@@ -73,6 +73,23 @@ class StreamDelta:
     # and first scheduled to first token (colocated: the prompt's queue and prefill times).
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
+    # The router's own, never sent by a pool. On an attempt's finished delta: the reply of the prefill
+    # replica that ran its prompt (disaggregated). On the finished delta the router passes on: where
+    # the request's time to first token went (router.ttft).
+    prefill_reply: PrefillResult | None = None
+    ttft_breakdown: TTFTBreakdown | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTBreakdown:
+    """A request's time to first token as the router measured it, split where it went. A part is None
+    where it is not known or did not happen (no KV moved, prefill's reply lost); ``other_s`` is the
+    rest, never negative: the router, the hops, the decode replica's first emission."""
+
+    queue_s: float | None  # on the replica that ran the prompt: arrival to its first chunk scheduled
+    prefill_s: float | None  # first chunk scheduled to the prompt computed
+    kv_transfer_exposed_s: float | None  # prompt computed to its KV acknowledged: what overlap did not hide
+    other_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ compute did not hide, retries and migrations. Two sources:
 
     this process      per request, as the router sees it (labels: model_name)
                       TTFT, inter-token latency, E2E, queue / prefill / decode time, outcomes,
-                      prompt and generation tokens, KV transfer figures (from prefill's reply)
+                      prompt and generation tokens, KV transfer figures (from prefill's reply),
+                      the part of TTFT none of those phases explain (router.ttft)
     the replicas      their last reports (``router.routing_state``), read at scrape time
                       (labels: pool, replica): requests running / waiting, KV usage, prefix-cache
                       queries and hits, tickets outstanding, reservation queue, lease expirations
@@ -28,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.serving import PrefillResult
+from common.serving import PrefillResult, TTFTBreakdown
 
 _WINDOW = 1024  # recent samples kept per series (bounded)
 # vLLM's buckets, so that dashboards and recording rules carry over.
@@ -60,6 +61,12 @@ class RouterMetrics:
             return Counter(name, doc, (*labels, *extra), registry=r)
 
         self._ttft = histogram("pdserve:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self._ttft_other = histogram(
+            "pdserve:time_to_first_token_other_seconds",
+            "A request's time to first token less its queue, prefill and exposed KV transfer on the replicas: "
+            "the router, the hops, the decode replica's reservation and first emission.",
+            _TTFT_BUCKETS,
+        )
         self._itl = histogram("pdserve:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self._tpot = histogram(
             "pdserve:request_time_per_output_token_seconds",
@@ -130,6 +137,13 @@ class RouterMetrics:
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
         self.recent["ttft"].append(seconds)
+
+    def ttft_breakdown(self, breakdown: TTFTBreakdown) -> None:
+        """Once per request with a first token, from its last delta: one that failed or was left
+        after its first token has no breakdown, so this counts fewer requests than TTFT does. The
+        other parts are in the queue, prefill and exposed-transfer series already (observed where
+        they arrive, for every attempt)."""
+        self._ttft_other.observe(breakdown.other_s)
 
     def tokens_arrived(self, num_tokens: int, seconds_since_last: float) -> None:
         """``num_tokens`` came in one delta, ``seconds_since_last`` after the one before: each is

@@ -35,10 +35,12 @@ from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
 from common.tracing import inject
 from router.remote_prefill import RemotePrefillEstimator
+from router.ttft import ttft_breakdown, ttft_span_attributes
 
 logger = logging.getLogger(__name__)
-# Spans: the request (named by the caller, GenAI attributes) ⊃ pdserve.attempt (events: kv_ticket,
-# prefill_done, first_token) ⊃ the pools' spans. A no-op unless the process installs a TracerProvider.
+# Spans: the request (named by the caller, GenAI attributes, pdserve.ttft.* parts of its TTFT) ⊃
+# pdserve.attempt (events: kv_ticket, prefill_done, first_token) ⊃ the pools' spans. A no-op unless
+# the process installs a TracerProvider.
 _tracer = trace.get_tracer("pdserve.router")
 # How long the last delta waits for a prefill reply still missing (its KV landed long before).
 _PREFILL_FACTS_WAIT_S = 5.0
@@ -129,12 +131,16 @@ class Orchestrator:
         trace_context: Context | None = None,
         span_name: str = "pdserve.request",
         attributes: dict[str, Any] | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Yield the request's deltas; the last has ``finish_reason`` set. Refusals before the first
         delta raise (InvalidRequestError, OverloadedError) so the caller can answer with a status.
         The request's span (``span_name``, ``attributes``) is a child of ``trace_context`` (a
-        client's), and the parent of every pool's spans for it."""
+        client's), and the parent of every pool's spans for it. The last delta of a request that
+        produced a token carries its ``ttft_breakdown``, its TTFT counted from ``arrival_time``
+        (``time.monotonic()`` when the router got the request; by default, now)."""
         deadline = time.monotonic() + self.request_timeout_s
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         span_attributes: dict[str, Any] = {
             "pdserve.pool_request_id": request_id,
             "gen_ai.usage.input_tokens": len(prompt_token_ids),
@@ -147,7 +153,7 @@ class Orchestrator:
         try:
             # aclosing: a client gone mid-stream closes the pool calls now, not at garbage collection.
             async with contextlib.aclosing(
-                self._run(request_id, prompt_token_ids, params, cache_salt, deadline, span)
+                self._run(request_id, prompt_token_ids, params, cache_salt, deadline, span, arrival)
             ) as deltas:
                 async for delta in deltas:
                     num_output += len(delta.new_token_ids)
@@ -166,9 +172,10 @@ class Orchestrator:
             span.end()
 
     async def _run(
-        self, request_id, prompt_token_ids, params, cache_salt, deadline, span
+        self, request_id, prompt_token_ids, params, cache_salt, deadline, span, arrival
     ) -> AsyncGenerator[StreamDelta, None]:
         sent_ids: list[int] = []
+        ttft_s: float | None = None
         text = _ResumedText(self.detokenize, prompt_token_ids, params.skip_special_tokens)
         attempt = 0
         while True:
@@ -189,11 +196,16 @@ class Orchestrator:
                             if not sent_ids:
                                 raise_for_pool_error(delta.error)  # refusals: the caller answers with a status
                             raise AttemptFailed(delta.error)
+                        if not sent_ids and delta.new_token_ids:
+                            ttft_s = time.monotonic() - arrival
                         sent_ids.extend(delta.new_token_ids)
                         new_text = text.after(sent_ids, delta) if resumed else text.sent(delta.new_text)
-                        yield dataclasses.replace(
+                        delta = dataclasses.replace(
                             delta, request_id=request_id, num_prompt_tokens=len(prompt_token_ids), new_text=new_text
                         )
+                        if delta.finish_reason is not None and ttft_s is not None:
+                            delta = _with_ttft_breakdown(delta, ttft_s, resumed, span)
+                        yield delta
                 return
             except (InvalidRequestError, OverloadedError):
                 raise
@@ -370,12 +382,23 @@ async def _prefill_facts(task: asyncio.Task, request_id: str) -> PrefillResult |
 
 
 def _with_prefill_facts(delta: StreamDelta, prefilled: PrefillResult, is_first: bool, request: ServeRequest):
-    """The decode replica knows neither the first token's logprob nor prefill's prefix-cache hits."""
+    """The decode replica knows neither the first token's logprob nor prefill's prefix-cache hits;
+    the finished delta takes the whole reply along, for the TTFT breakdown (_with_ttft_breakdown)."""
     changes: dict[str, Any] = {"num_cached_tokens": prefilled.num_cached_tokens}
     wants_logprobs = request.sampling.get("logprobs") is not None
     if is_first and wants_logprobs and prefilled.first_logprob is not None:
         changes["logprobs"] = [prefilled.first_logprob, *(delta.logprobs or [])]
+    if delta.finish_reason is not None:
+        changes["prefill_reply"] = prefilled
     return dataclasses.replace(delta, **changes)
+
+
+def _with_ttft_breakdown(delta: StreamDelta, ttft_s: float, resumed: bool, span: Any) -> StreamDelta:
+    """The request's last delta, with the breakdown of its TTFT on it and on the request's span. The
+    parts are the first-token attempt's: this one's, unless it resumed a stream another began."""
+    breakdown = ttft_breakdown(ttft_s, None, None) if resumed else ttft_breakdown(ttft_s, delta.prefill_reply, delta)
+    span.set_attributes(ttft_span_attributes(breakdown))
+    return dataclasses.replace(delta, ttft_breakdown=breakdown)
 
 
 def _why_not_resumable(params: SamplingParams) -> str | None:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from common.errors import InvalidRequestError, OverloadedError
 from common.outputs import TokenLogprob
 from common.sampling_params import SamplingParams
+from common.serving import TTFTBreakdown
 
 RequestKind = Literal["completion", "chat"]
 
@@ -295,12 +296,32 @@ def openai_finish_reason(engine_reason: str | None) -> str | None:
     return engine_reason if engine_reason in ("stop", "length") else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, ttft_breakdown: TTFTBreakdown | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; pdserve adds ``ttft_breakdown`` (OpenAI clients ignore unknown fields)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if ttft_breakdown is not None:
+        body["ttft_breakdown"] = _ttft_breakdown(ttft_breakdown)
+    return body
+
+
+def _ttft_breakdown(breakdown: TTFTBreakdown) -> dict[str, float | None]:
+    """Seconds to the microsecond; null for a part not known (no KV moved: kv_transfer_exposed_s)."""
+
+    def seconds(value: float | None) -> float | None:
+        return None if value is None else round(value, 6)
+
+    return {
+        "queue_s": seconds(breakdown.queue_s),
+        "prefill_s": seconds(breakdown.prefill_s),
+        "kv_transfer_exposed_s": seconds(breakdown.kv_transfer_exposed_s),
+        "other_s": seconds(breakdown.other_s),
     }
 
 

@@ -341,6 +341,7 @@ class RouterServer:
             trace_context=extract(request.headers),  # a client's W3C traceparent: its span is the parent
             span_name=f"{operation} {self.served_model}",
             attributes=_gen_ai_attributes(operation, self.served_model, parsed, request_id),
+            arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
         )
         deltas = self._tracked(run, started, request_id, len(prompt_ids))
         try:
@@ -403,6 +404,8 @@ class RouterServer:
                         outcome = "error" if delta.error else "ok"
                         finish_reason = delta.finish_reason
                         metrics.phases(delta.queue_time_s, delta.prefill_time_s)  # colocated: from the engine
+                        if delta.ttft_breakdown is not None:
+                            metrics.ttft_breakdown(delta.ttft_breakdown)
                     yielded = True
                     yield delta
         except (GeneratorExit, asyncio.CancelledError):
@@ -477,7 +480,7 @@ class RouterServer:
             logger.warning("request %s failed: %s", response_id, last.error)
             return _error_response(_failed())
         model, created = self.served_model, int(time.time())
-        usage = protocol.usage(len(prompt_ids), num_tokens, last.num_cached_tokens)
+        usage = protocol.usage(len(prompt_ids), num_tokens, last.num_cached_tokens, last.ttft_breakdown)
         finish = protocol.openai_finish_reason(last.finish_reason)
         merged = StreamDelta(response_id, [], "", logprobs=logprobs or None)
         if parsed.kind == "chat":
@@ -495,6 +498,7 @@ class RouterServer:
         """Server-sent events; an error after the first byte travels as an error event, then [DONE]."""
         model, created, chat = self.served_model, int(time.time()), parsed.kind == "chat"
         num_tokens, cached, offset = 0, 0, 0
+        breakdown = None
         try:
             if chat:
                 yield protocol.sse(protocol.chat_chunk(response_id, model, created, role="assistant", content=""))
@@ -505,6 +509,7 @@ class RouterServer:
             async for delta in _chain(first, deltas):
                 num_tokens += len(delta.new_token_ids)
                 cached = delta.num_cached_tokens
+                breakdown = delta.ttft_breakdown  # set on the last delta only
                 if delta.error is not None:
                     logger.warning("request %s failed mid-stream: %s", response_id, delta.error)
                     yield protocol.sse_error(_failed())
@@ -522,7 +527,7 @@ class RouterServer:
                     chunk = protocol.completion_chunk(response_id, model, created, delta.new_text, finish, logprobs)
                 yield protocol.sse(chunk)
             if parsed.include_usage:
-                usage = protocol.usage(len(prompt_ids), num_tokens, cached)
+                usage = protocol.usage(len(prompt_ids), num_tokens, cached, breakdown)
                 yield protocol.sse(protocol.usage_chunk(response_id, model, created, usage, parsed.kind))
             yield protocol.SSE_DONE
         except Exception:  # headers are out: the error travels as an event, and the stream still ends

@@ -1,10 +1,10 @@
 """The open-loop load client (bench.load_client) against a scripted in-process OpenAI streaming server.
 
 The fake server answers each request by a script chosen by its prompt: text after TTFT seconds, then
-more text every GAP seconds, a usage chunk and [DONE], as uvicorn does (chunked transfer encoding),
-or close-delimited, or an HTTP error. It logs when it actually wrote each chunk: the client's timings
-must match those closely, and the script loosely, since this machine's other tenants can delay a
-timer by tens of milliseconds.
+more text every GAP seconds, a usage chunk (with pdserve's TTFT breakdown for the prompts in
+BREAKDOWNS) and [DONE], as uvicorn does (chunked transfer encoding), or close-delimited, or an HTTP
+error. It logs when it actually wrote each chunk: the client's timings must match those closely,
+and the script loosely, since this machine's other tenants can delay a timer by tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from bench.load_client import LoadResult, print_summary, run_load
+from bench.load_client import LoadResult, RequestRecord, print_summary, run_load, ttft_breakdown_summary
 from bench.slo import SLO
 from bench.workloads import WorkloadRequest
 
 TTFT, GAP, NUM_TOKENS = 0.2, 0.05, 5
 TOLERANCE = 0.03  # client-measured vs server-logged times
 SCRIPT_TOLERANCE = 0.1  # client-measured vs scripted times
+# usage.ttft_breakdown by prompt, as pdserve sends it: "slow" (TTFT 0.5 s) queued, "fast" (0.2 s) computed.
+BREAKDOWNS = {
+    "slow": {"queue_s": 0.4, "prefill_s": 0.05, "kv_transfer_exposed_s": 0.01, "other_s": 0.02},
+    "fast": {"queue_s": 0.01, "prefill_s": 0.15, "kv_transfer_exposed_s": None, "other_s": 0.03},
+}
 
 
 @dataclass
@@ -102,7 +107,10 @@ class FakeServer:
                 await send({"choices": [choice]}, split=prompt == "split")
                 stream.text_times.append(time.perf_counter())
             if prompt != "no-usage":
-                await send({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": NUM_TOKENS}})
+                usage = {"prompt_tokens": 7, "completion_tokens": NUM_TOKENS}
+                if prompt in BREAKDOWNS:
+                    usage["ttft_breakdown"] = BREAKDOWNS[prompt]
+                await send({"choices": [], "usage": usage})
         await send("[DONE]")
         if chunked:
             writer.write(b"0\r\n\r\n")
@@ -234,4 +242,59 @@ def test_summary_and_json_roundtrip(capsys):
     again = LoadResult.from_json(data)
     assert again == result
     print_summary(again, slo)
-    assert "TTFT (ms)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TTFT (ms)" in out
+    assert "TTFT breakdown" not in out  # this server sends none
+    assert summary["ttft_breakdown_requests"] == 0 and summary["mean_ttft_queue_s"] is None
+
+
+def test_the_servers_ttft_breakdown_says_which_part_made_the_slo_misses(capsys):
+    result, _ = load([request("fast", 0.0), request("slow", 0.0), request("slow", 0.05)])
+    fast, slow, _ = result.records
+    assert fast.ttft_parts() == {"queue": 0.01, "prefill": 0.15, "kv_transfer_exposed": None, "other": 0.03}
+    assert slow.ttft_queue_s == 0.4 and slow.ttft_kv_transfer_exposed_s == 0.01
+    slo = SLO(ttft_s=0.35, tpot_s=1.0)  # the two slow ones miss it
+    summary = result.summary(slo)
+    assert (summary["ttft_breakdown_over"], summary["ttft_breakdown_requests"]) == ("ttft_slo_misses", 2)
+    assert summary["ttft_miss_by"] == {"queue": 2, "prefill": 0, "kv_transfer_exposed": 0, "other": 0}
+    assert summary["mean_ttft_queue_s"] == pytest.approx(0.4)
+    assert summary["mean_ttft_kv_transfer_exposed_s"] == pytest.approx(0.01)
+    assert summary["ttft_attainment"] == pytest.approx(1 / 3)  # the old fields stay
+    without_slo = result.summary()
+    assert (without_slo["ttft_breakdown_over"], without_slo["ttft_breakdown_requests"]) == ("completed", 3)
+    assert without_slo["ttft_miss_by"] == {"queue": 2, "prefill": 1, "kv_transfer_exposed": 0, "other": 0}
+    again = LoadResult.from_json(json.loads(json.dumps(result.to_json(slo))))
+    assert again == result and again.to_json(slo)["summary"]["ttft_miss_by"]["queue"] == 2
+    print_summary(again, slo)
+    out = capsys.readouterr().out
+    assert "server TTFT breakdown, over 2 requests that missed the TTFT SLO" in out
+    queue_row = next(line for line in out.splitlines() if line.startswith("queue "))
+    assert queue_row.split() == ["queue", "400", "2"]  # mean (ms), largest in
+
+
+def record(index: int, ttft_s: float | None, parts: tuple | None, error: str | None = None) -> RequestRecord:
+    queue, prefill, exposed, other = parts or (None, None, None, None)
+    return RequestRecord(
+        index, 0.0, 0.0, 7, 5, ttft_s, (), None if error else 1.0, 5, 7, error,
+        ttft_queue_s=queue, ttft_prefill_s=prefill, ttft_kv_transfer_exposed_s=exposed, ttft_other_s=other,
+    )  # fmt: skip
+
+
+def test_miss_attribution_counts_misses_with_a_breakdown_by_their_largest_part():
+    records = [
+        record(0, 0.9, (0.1, 0.6, None, 0.2)),  # prefill
+        record(1, 0.9, (0.1, 0.2, 0.5, 0.1)),  # the exposed transfer
+        record(2, 0.9, (None, None, None, 0.9)),  # only other known (a resumed stream)
+        record(3, 0.9, (0.3, 0.3, None, 0.3)),  # a tie goes to the earliest part
+        record(4, 0.1, (0.09, 0.005, None, 0.005)),  # met the SLO: not a miss
+        record(5, 0.9, None),  # a miss the server did not break down
+        record(6, None, None, error="HTTP 503"),  # failed: a miss without a TTFT
+    ]
+    summary = ttft_breakdown_summary(records, SLO(ttft_s=0.5, tpot_s=1.0))
+    assert summary["ttft_breakdown_requests"] == 4
+    assert summary["ttft_miss_by"] == {"queue": 1, "prefill": 1, "kv_transfer_exposed": 1, "other": 1}
+    assert summary["mean_ttft_queue_s"] == pytest.approx((0.1 + 0.1 + 0.3) / 3)  # over those that have it
+    assert summary["mean_ttft_kv_transfer_exposed_s"] == pytest.approx(0.5)
+    assert summary["mean_ttft_other_s"] == pytest.approx((0.2 + 0.1 + 0.9 + 0.3) / 4)
+    everything = ttft_breakdown_summary(records, None)
+    assert everything["ttft_breakdown_requests"] == 5 and everything["ttft_miss_by"]["queue"] == 2

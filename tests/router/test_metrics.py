@@ -7,7 +7,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.serving import PrefillResult
+from common.serving import PrefillResult, TTFTBreakdown
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from tests.router.test_orchestrator import GREEDY, FakeDecode, FakePrefill, _actor_died, run, tokens
@@ -147,3 +147,19 @@ def test_the_orchestrator_reports_prefill_replies_retries_and_migrations():
     assert samples[("pdserve:request_migrations_total", MODEL)] == 1
     assert samples[("pdserve:kv_transfer_bytes_sum", MODEL)] == 1 << 20
     assert samples[("pdserve:kv_transfer_exposed_seconds_sum", MODEL)] == 0.002
+
+
+def test_the_part_of_ttft_no_phase_explains_is_one_sample_per_breakdown_in_ttfts_buckets():
+    metrics = RouterMetrics("disagg", "smol")
+    metrics.ttft_breakdown(TTFTBreakdown(0.2, 0.5, 0.1, other_s=0.03))
+    metrics.ttft_breakdown(TTFTBreakdown(None, None, None, other_s=0.9))
+    samples = scrape(metrics)
+    name = "pdserve:time_to_first_token_other_seconds"
+    assert samples[(f"{name}_count", MODEL)] == 2
+    assert abs(samples[(f"{name}_sum", MODEL)] - 0.93) < 1e-9
+    assert samples[(f"{name}_bucket", (("le", "0.04"), *MODEL))] == 1  # TTFT's buckets: 0.03 under 0.04
+    assert samples[(f"{name}_bucket", (("le", "1.0"), *MODEL))] == 2
+    # The phases stay in their own series: a breakdown adds no queue or prefill sample.
+    assert samples[("pdserve:request_queue_time_seconds_count", MODEL)] == 0
+    body = metrics.exposition()[0].decode()
+    assert f"# HELP {name} A request's time to first token less its queue" in body

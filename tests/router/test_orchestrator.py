@@ -7,6 +7,7 @@ each failure is staged exactly, which a live cluster cannot do deterministically
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from ray import exceptions as ray_exceptions
@@ -24,16 +25,25 @@ def _actor_died() -> Exception:
 
 
 class FakeStream:
-    """One decode attempt: a ticket, then one delta per token; may die after ``die_after`` tokens."""
+    """One decode attempt: a ticket, then one delta per token; may die after ``die_after`` tokens.
+    ``timings`` (queue, prefill seconds): what a replica that ran the prompt puts on its finished delta."""
 
     # (prompt, token) -> the text the engine emits with the token (default "<token>")
     text_of: staticmethod = staticmethod(lambda prompt, token: f"<{token}>")
 
-    def __init__(self, request: ServeRequest, colocated: bool, die_after: int | None, error: str | None) -> None:
+    def __init__(
+        self,
+        request: ServeRequest,
+        colocated: bool,
+        die_after: int | None,
+        error: str | None,
+        timings: tuple[float, float] | None = None,
+    ) -> None:
         self.request = request
         self.colocated = colocated
         self.die_after = die_after
         self.error = error
+        self.timings = timings
         self.cancelled = False
         self._items = self._generate()
 
@@ -51,7 +61,15 @@ class FakeStream:
                 raise _actor_died()
             last = i == max_tokens - 1
             text = self.text_of(self.request.prompt_token_ids, token)
-            yield StreamDelta(self.request.request_id, [token], text, finish_reason="length" if last else None)
+            queue_time_s, prefill_time_s = self.timings if last and self.timings else (None, None)
+            yield StreamDelta(
+                self.request.request_id,
+                [token],
+                text,
+                finish_reason="length" if last else None,
+                queue_time_s=queue_time_s,
+                prefill_time_s=prefill_time_s,
+            )
             await asyncio.sleep(0)
 
     def __aiter__(self):
@@ -76,7 +94,9 @@ class FakeDecode:
 
     def remote(self, request: ServeRequest) -> FakeStream:
         options = self.script[len(self.streams)] if len(self.streams) < len(self.script) else {}
-        stream = FakeStream(request, self.colocated, options.get("die_after"), options.get("error"))
+        stream = FakeStream(
+            request, self.colocated, options.get("die_after"), options.get("error"), options.get("timings")
+        )
         self.streams.append(stream)
         return stream
 
@@ -111,9 +131,9 @@ class FakePrefill:
         return FakeResponse(outcome or PrefillResult(request.request_id, 1, 0))
 
 
-def run(orchestrator: Orchestrator, params: SamplingParams) -> list[StreamDelta]:
+def run(orchestrator: Orchestrator, params: SamplingParams, **kwargs) -> list[StreamDelta]:
     async def collect():
-        return [d async for d in orchestrator.run("req", [1, 2, 3], params)]
+        return [d async for d in orchestrator.run("req", [1, 2, 3], params, **kwargs)]
 
     return asyncio.run(collect())
 
@@ -302,7 +322,10 @@ def test_decode_deltas_stream_before_prefills_reply_whose_facts_reach_the_last_d
         release = asyncio.Event()
         prefill = FakePrefill([])
         prefill.remote = lambda request: (
-            prefill.requests.append(request) or HeldResponse(PrefillResult(request.request_id, TOKENS[0], 16), release)
+            prefill.requests.append(request)
+            or HeldResponse(
+                PrefillResult(request.request_id, TOKENS[0], 16, queue_time_s=0.01, kv_exposed_s=0.002), release
+            )
         )
         orchestrator = Orchestrator(FakeDecode([{}]), prefill)
         deltas = orchestrator.run("req", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
@@ -314,6 +337,8 @@ def test_decode_deltas_stream_before_prefills_reply_whose_facts_reach_the_last_d
     deltas = asyncio.run(scenario())
     assert tokens(deltas) == TOKENS[:4]
     assert [d.num_cached_tokens for d in deltas[:3]] == [0, 0, 0] and deltas[-1].num_cached_tokens == 16
+    breakdown = deltas[-1].ttft_breakdown  # the reply came after the first token, before the last
+    assert (breakdown.queue_s, breakdown.kv_transfer_exposed_s) == (0.01, 0.002)
 
 
 def test_a_request_asking_for_logprobs_holds_its_first_delta_for_prefills_reply():
@@ -389,3 +414,63 @@ def test_serve_back_pressure_is_a_503_and_other_pool_errors_are_retried():
     decode = Refusing([{}, {}])
     decode.error = RuntimeError("engine call timed out")
     assert tokens(run(Orchestrator(decode, FakePrefill([])), GREEDY)) == TOKENS[:8]
+
+
+# --- the TTFT breakdown on the last delta --------------------------------------------------------------
+
+
+def run_timed(orchestrator: Orchestrator, ago_s: float = 1.0) -> tuple[list[StreamDelta], float, float]:
+    """The request's deltas, the router having got it ``ago_s`` before; and bounds on its TTFT."""
+    arrival = time.monotonic() - ago_s
+    earliest = time.monotonic() - arrival
+    deltas = run(orchestrator, GREEDY, arrival_time=arrival)
+    return deltas, earliest, time.monotonic() - arrival
+
+
+def test_the_last_delta_breaks_the_ttft_down_from_prefills_reply_and_so_does_the_span(finished_spans):
+    reply = PrefillResult("req.0", TOKENS[0], 0, queue_time_s=0.2, prefill_time_s=0.5, kv_exposed_s=0.1)
+    deltas, earliest, latest = run_timed(Orchestrator(FakeDecode([{}]), FakePrefill([reply])))
+    *before_last, last = deltas
+    assert all(d.ttft_breakdown is None for d in before_last)  # nothing per token
+    breakdown = last.ttft_breakdown
+    assert (breakdown.queue_s, breakdown.prefill_s, breakdown.kv_transfer_exposed_s) == (0.2, 0.5, 0.1)
+    assert earliest - 0.8 <= breakdown.other_s <= latest - 0.8  # TTFT counts from arrival_time
+    (request,) = [s for s in finished_spans() if s.name == "pdserve.request"]
+    assert request.attributes["pdserve.ttft.queue_s"] == 0.2
+    assert request.attributes["pdserve.ttft.prefill_s"] == 0.5
+    assert request.attributes["pdserve.ttft.kv_transfer_exposed_s"] == 0.1
+    assert request.attributes["pdserve.ttft.other_s"] == breakdown.other_s
+
+
+def test_colocated_parts_come_from_the_finished_delta_and_no_kv_moved(finished_spans):
+    decode = FakeDecode([{"timings": (0.1, 0.3)}], colocated=True)
+    deltas, earliest, latest = run_timed(Orchestrator(decode, None))
+    breakdown = deltas[-1].ttft_breakdown
+    assert (breakdown.queue_s, breakdown.prefill_s, breakdown.kv_transfer_exposed_s) == (0.1, 0.3, None)
+    assert earliest - 0.4 <= breakdown.other_s <= latest - 0.4
+    (request,) = [s for s in finished_spans() if s.name == "pdserve.request"]
+    assert "pdserve.ttft.kv_transfer_exposed_s" not in request.attributes
+    assert request.attributes["pdserve.ttft.queue_s"] == 0.1
+
+
+def test_a_retried_request_takes_the_parts_of_the_attempt_that_produced_its_first_token():
+    failed = PrefillResult("req.0", None, 0, "receiver gone", queue_time_s=0.7, prefill_time_s=0.2, kv_exposed_s=0.05)
+    served = PrefillResult("req.1", TOKENS[0], 0, queue_time_s=0.02, prefill_time_s=0.3, kv_exposed_s=0.01)
+    deltas, _, _ = run_timed(Orchestrator(FakeDecode([{}, {}]), FakePrefill([failed, served])))
+    breakdown = deltas[-1].ttft_breakdown
+    assert (breakdown.queue_s, breakdown.prefill_s, breakdown.kv_transfer_exposed_s) == (0.02, 0.3, 0.01)
+
+
+def test_a_stream_resumed_elsewhere_has_no_parts_its_first_attempt_took_them_along():
+    # The resumed attempt's own prompt times (prompt + sent tokens, on another replica) are not the TTFT's.
+    decode = FakeDecode([{"die_after": 3}, {"timings": (0.2, 0.1)}], colocated=True)
+    deltas, earliest, latest = run_timed(Orchestrator(decode, None))
+    assert tokens(deltas) == TOKENS[:8]
+    breakdown = deltas[-1].ttft_breakdown
+    assert (breakdown.queue_s, breakdown.prefill_s, breakdown.kv_transfer_exposed_s) == (None, None, None)
+    assert earliest <= breakdown.other_s <= latest  # all of the TTFT
+
+
+def test_a_request_that_failed_carries_no_breakdown():
+    deltas = run(Orchestrator(FakeDecode([{"die_after": 0}, {"die_after": 0}]), FakePrefill([]), max_retries=1), GREEDY)
+    assert deltas[-1].finish_reason == "error" and deltas[-1].ttft_breakdown is None

@@ -11,6 +11,7 @@ import pytest
 from common.errors import InvalidRequestError, OverloadedError
 from common.outputs import TokenLogprob
 from common.sampling_params import SamplingParams
+from common.serving import TTFTBreakdown
 from router import protocol
 from router.protocol import (
     DEFAULT_MAX_TOKENS_CHAT,
@@ -381,6 +382,7 @@ def test_usage_and_finish_reason():
         "prompt_tokens_details": {"cached_tokens": 4},
     }
     assert usage(1, 2)["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert "ttft_breakdown" not in usage(1, 2)  # a request without one (none reached a first token)
     assert [openai_finish_reason(r) for r in ("stop", "length", "abort", "error", None, "prefilled")] == [
         "stop",
         "length",
@@ -389,6 +391,18 @@ def test_usage_and_finish_reason():
         None,
         None,
     ]
+
+
+def test_usage_carries_the_ttft_breakdown_to_the_microsecond_with_nulls_for_unknown_parts():
+    body = usage(10, 5, 4, TTFTBreakdown(0.01234567, 0.5, None, 0.0000004))
+    assert body["ttft_breakdown"] == {
+        "queue_s": 0.012346,
+        "prefill_s": 0.5,
+        "kv_transfer_exposed_s": None,
+        "other_s": 0.0,
+    }
+    assert json.loads(json.dumps(body))["ttft_breakdown"]["kv_transfer_exposed_s"] is None
+    assert body["total_tokens"] == 15 and body["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_completion_shapes():

@@ -1,0 +1,77 @@
+"""router.server's responses and metrics from a request's deltas: the TTFT breakdown of the last delta
+reaches the usage (JSON and the streamed usage chunk) and the metrics once.
+
+The constructor loads a tokenizer and starts an HTTP server; these tests need neither, so they build
+a bare RouterServer with only what ``_tracked``, ``_collect`` and ``_sse`` read. The orchestrator
+that makes the deltas is tested in test_orchestrator.py, the wire format in test_protocol.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from common.serving import StreamDelta, TTFTBreakdown
+from router import protocol
+from router.metrics import RouterMetrics
+from router.server import RouterServer
+from tests.router.test_metrics import MODEL, scrape
+
+BREAKDOWN = TTFTBreakdown(0.0123456789, 0.25, None, 0.004)
+PROMPT = [1, 2, 3]
+
+
+class BareServer(RouterServer):
+    def __init__(self) -> None:
+        self.metrics = RouterMetrics("colocated", "smol")
+        self.served_model = "smol"
+        self.num_in_flight = 1  # _handle counts the request in before _tracked counts it out
+        self.serving_replica: dict[str, str] = {}
+
+    def __del__(self) -> None:  # Serve's shutdown hook stops the HTTP server, which never started here
+        pass
+
+
+async def deltas() -> AsyncIterator[StreamDelta]:
+    yield StreamDelta("r", [7], "a", replica_id="d0")
+    yield StreamDelta("r", [8], "b", finish_reason="length", replica_id="d0", ttft_breakdown=BREAKDOWN)
+
+
+def expected_usage() -> dict:
+    return protocol.usage(len(PROMPT), 2, 0, BREAKDOWN)
+
+
+def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metric_counts_it_once():
+    server = BareServer()
+    parsed = protocol.parse_completion_request({"model": "smol", "prompt": "hi", "max_tokens": 2}, "smol")
+
+    async def respond():
+        tracked = server._tracked(deltas(), time.monotonic(), "r", len(PROMPT))
+        first = await tracked.__anext__()
+        return await server._collect(parsed, "cmpl-r", PROMPT, "hi", first, tracked, {})
+
+    body = json.loads(asyncio.run(respond()).body)
+    assert body["usage"] == expected_usage()
+    assert body["usage"]["ttft_breakdown"]["queue_s"] == 0.012346
+    samples = scrape(server.metrics)
+    assert samples[("pdserve:time_to_first_token_other_seconds_count", MODEL)] == 1
+    assert samples[("pdserve:time_to_first_token_other_seconds_sum", MODEL)] == 0.004
+
+
+def test_the_streamed_usage_chunk_carries_it_when_usage_is_asked_for():
+    server = BareServer()
+    request = {"model": "smol", "prompt": "hi", "max_tokens": 2, "stream": True}
+    asked = protocol.parse_completion_request({**request, "stream_options": {"include_usage": True}}, "smol")
+    not_asked = protocol.parse_completion_request(request, "smol")
+
+    async def events(parsed) -> list[dict]:
+        stream = deltas()
+        first = await stream.__anext__()
+        chunks = [c async for c in server._sse(parsed, "cmpl-r", PROMPT, "hi", first, stream)]
+        return [json.loads(c[6:]) for c in chunks if c != protocol.SSE_DONE]
+
+    *_, tail = asyncio.run(events(asked))
+    assert tail["choices"] == [] and tail["usage"] == expected_usage()
+    assert all("usage" not in event for event in asyncio.run(events(not_asked)))
