@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import fcntl
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from engine.distributed.parallel import pick_device
 from engine.dtype_probe import resolve_auto_dtype
 from engine.model_loader import resolve_model_dir
 from prefill_pool.server import PrefillServer
+from router.auth import ADMIN_KEY_ENV, API_KEYS_ENV, KeyRing
 from router.server import DEFAULT_MAX_BODY_BYTES, RouterServer
 
 logger = logging.getLogger(__name__)
@@ -291,8 +293,30 @@ def _version(server: type, args: tuple, options: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def load_keyring(config: ClusterConfig) -> KeyRing:
+    """The API keys of ``api_keys_file`` and the environment. No key on a host other than loopback
+    is refused: anyone who reaches the port would use the cluster (and see its status)."""
+    keyring = KeyRing.load(config.api_keys_file)
+    if not keyring.enabled and not _is_loopback(config.host):
+        raise ConfigError(
+            f"host={config.host!r} is not a loopback address and no API key is configured: set api_keys_file "
+            f"or {API_KEYS_ENV} (and {ADMIN_KEY_ENV} for /pdserve/status), or serve on 127.0.0.1"
+        )
+    return keyring
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def build_app(config: ClusterConfig):
     """The Serve application for ``config`` (the model is converted here, once, if needed)."""
+    keyring = load_keyring(config)
     model_dir = str(resolve_model_dir(config.model, None))
     if config.mode == "disagg":
         prefill = _pool_deployment(config, "prefill", model_dir)
@@ -311,6 +335,7 @@ def build_app(config: ClusterConfig):
         DEFAULT_MAX_BODY_BYTES,
         (config.tracing, config.tracing_endpoint),
         config.mode == "disagg" and config.router.conditional_disaggregation,
+        keyring,
     )
     router_options = {
         "name": "router",

@@ -142,6 +142,10 @@ class ClusterConfig:
     tracing_endpoint: str | None = None  # otlp: the collector's URL (default http://127.0.0.1:4318/v1/traces)
     host: str = "127.0.0.1"
     port: int = 8000  # 0: pick a free port
+    # API keys, a tenant per key, and each tenant's limits (router/auth.py). With none configured
+    # (neither this file nor PDSERVE_API_KEYS) the router asks for no key, which only a loopback
+    # host may do: cluster.app refuses to deploy otherwise.
+    api_keys_file: str | None = None
     ray_address: str | None = None  # None: start a local Ray
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
@@ -168,6 +172,8 @@ class ClusterConfig:
             raise ConfigError(f"port={self.port} must be in 0..65535 (0 picks a free port)")
         if not self.host:
             raise ConfigError("host='' is empty; use e.g. '127.0.0.1' or '0.0.0.0'")
+        if self.api_keys_file is not None:  # every process of the cluster reads it from its own cwd
+            object.__setattr__(self, "api_keys_file", str(Path(self.api_keys_file).resolve()))
         if self.served_model_name == "":
             raise ConfigError("served_model_name='' is empty; give a name or leave it unset to derive one")
         for key, cls in (("prefill", PoolConfig), ("decode", PoolConfig), ("colocated", PoolConfig)):

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import time
 import urllib.error
@@ -21,6 +22,7 @@ from cluster.cluster_config import ClusterConfig, load_cluster_config, parse_ove
 from common import env
 from common.cpu_cores import format_core_list, host_cores
 from common.errors import ConfigError
+from router.auth import ADMIN_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +165,15 @@ def _router_url(args: argparse.Namespace) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     url = _router_url(args) + "/pdserve/status"
+    admin_key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
             status = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise ConfigError(f"the router at {url} wants an admin key: set {ADMIN_KEY_ENV}") from None
+        raise ConfigError(f"the router at {url} answered {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ConfigError(f"cannot reach the router at {url}: {exc}") from None
     if args.json:

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
+import socket
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -178,14 +179,17 @@ class Executor:
                     f"tensor_parallel_size={self.world_size} needs as many GPUs; {torch.cuda.device_count()} visible"
                 )
             timeout_s = config.parallel.distributed_timeout_s
-            # Rank 0 serves the rendezvous store on a port the OS picks: no port race.
+            # Rank 0 serves the rendezvous store on a port the OS picks: no port race. TCPStore would
+            # bind every interface whatever host it is given, so it gets a loopback socket of ours.
+            listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, self.world_size))
             store = dist.TCPStore(
                 "127.0.0.1",
-                0,
+                listener.getsockname()[1],
                 self.world_size,
                 is_master=True,
                 timeout=datetime.timedelta(seconds=timeout_s),
                 wait_for_workers=False,
+                master_listen_fd=listener.detach(),  # the store owns the socket from here on
             )
             init_method = f"tcp://127.0.0.1:{store.port}"
             launcher = launcher or ProcessLauncher()

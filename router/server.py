@@ -27,6 +27,7 @@ from common.errors import InvalidRequestError, OverloadedError
 from common.serving import StreamDelta
 from common.tracing import extract, setup_tracing
 from router import protocol
+from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorized, retry_after_header, tenant_salt
 from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
@@ -120,6 +121,25 @@ def _failed() -> ApiError:
     return ApiError(500, "the request failed inside the cluster; retry it", type="server_error")
 
 
+def _unauthorized(exc: Exception) -> ApiError:
+    return ApiError(401, str(exc), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _rate_limited(exc: RateLimited) -> ApiError:
+    # OpenAI's 429: the limit's kind as the type, code rate_limit_exceeded.
+    headers = {"Retry-After": retry_after_header(exc.retry_after_s)}
+    return ApiError(429, str(exc), type=exc.limit, code="rate_limit_exceeded", headers=headers)
+
+
+def _refusal(exc: Exception) -> ApiError:
+    """A request refused before it reached a pool, as the client sees it."""
+    if isinstance(exc, Unauthorized):
+        return _unauthorized(exc)
+    if isinstance(exc, RateLimited):
+        return _rate_limited(exc)
+    return protocol.api_error_from_exception(exc)
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -196,6 +216,7 @@ class RouterServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         tracing: tuple[str, str | None] = ("none", None),
         conditional_disaggregation: bool = False,
+        keyring: KeyRing | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -222,6 +243,8 @@ class RouterServer:
             remote_prefill=remote_prefill,
         )
         self.max_concurrent_requests = max_concurrent_requests
+        self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)
+        self.tenant_gate = TenantGate()
         self.max_body_bytes = max_body_bytes
         self.num_in_flight = 0
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
@@ -266,7 +289,11 @@ class RouterServer:
             await listener.stop()
 
     # --- plain endpoints -------------------------------------------------------------------
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> Any:
+        try:
+            self.keyring.tenant(request.headers.get("authorization"))
+        except Unauthorized as exc:
+            return _error_response(_unauthorized(exc))
         card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
         return {"object": "list", "data": [card]}
 
@@ -286,8 +313,13 @@ class RouterServer:
         body, content_type = self.metrics.exposition()
         return Response(body, media_type=content_type)
 
-    async def status(self) -> dict:
+    async def status(self, request: Request) -> Any:
         from router.routing_state import latest_reports
+
+        try:
+            self.keyring.check_admin(request.headers.get("authorization"))
+        except Unauthorized as exc:
+            return _error_response(_unauthorized(exc))
 
         # Block hashes stay inside the router: they tell what other tenants' prompts begin with.
         pools = {pool: [_without_hashes(report) for report in reports] for pool, reports in latest_reports().items()}
@@ -314,17 +346,25 @@ class RouterServer:
     async def _handle(self, request: Request, parse) -> Response:
         internal_id, request_id = _request_ids(request)
         started = time.monotonic()
+        admission = None
         try:
+            # Who and how much before any work: the key, then the tenant's concurrency and rate.
+            tenant = self.keyring.tenant(request.headers.get("authorization"))
             if self.num_in_flight >= self.max_concurrent_requests:  # before the body too: it is held whole
                 raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
+            admission = self.tenant_gate.admit(tenant) if tenant is not None else None
             body = protocol.decode_body(await _read_body(request, self.max_body_bytes))
             parsed: ParsedRequest = parse(body, self.served_model)
             prompt_ids, prompt_text = self._tokenize(parsed)
             await self._check_length(prompt_ids)
             if self.num_in_flight >= self.max_concurrent_requests:
                 raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
+            if admission is not None:
+                self.tenant_gate.charge_tokens(admission, len(prompt_ids) + parsed.sampling.max_tokens)
         except Exception as exc:
-            error = protocol.api_error_from_exception(exc)
+            if admission is not None:
+                self.tenant_gate.release(admission, 0)
+            error = _refusal(exc)
             self.metrics.request_failed(error.status)
             logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
             return _error_response(error)
@@ -337,13 +377,13 @@ class RouterServer:
             internal_id,
             prompt_ids,
             parsed.sampling,
-            parsed.cache_salt,
+            tenant_salt(tenant, parsed.cache_salt),
             trace_context=extract(request.headers),  # a client's W3C traceparent: its span is the parent
             span_name=f"{operation} {self.served_model}",
             attributes=_gen_ai_attributes(operation, self.served_model, parsed, request_id),
             arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
         )
-        deltas = self._tracked(run, started, request_id, len(prompt_ids))
+        deltas = self._tracked(run, started, request_id, len(prompt_ids), admission)
         try:
             first = await _unless_client_left(request, deltas.__anext__())  # refusals surface here
         except _ClientLeft:
@@ -377,8 +417,16 @@ class RouterServer:
         finally:
             await deltas.aclose()
 
-    async def _tracked(self, deltas: AsyncIterator[StreamDelta], started: float, request_id: str, num_prompt: int):
-        """Counts the request in flight until it ends, and records its latencies and outcome."""
+    async def _tracked(
+        self,
+        deltas: AsyncIterator[StreamDelta],
+        started: float,
+        request_id: str,
+        num_prompt: int,
+        admission: Admission | None = None,
+    ):
+        """Counts the request in flight (and against its tenant's limits) until it ends, and records
+        its latencies and outcome."""
         first_token_time = last_token_time = None
         num_tokens = 0
         outcome: str | None = "cancelled"
@@ -417,6 +465,8 @@ class RouterServer:
             raise
         finally:
             self.num_in_flight -= 1
+            if admission is not None:
+                self.tenant_gate.release(admission, num_prompt + num_tokens)  # unused max_tokens come back
             self.serving_replica.pop(request_id, None)
             metrics.request_ended(outcome, started, first_token_time, num_tokens, num_prompt, finish_reason)
             logger.info("request %s ended: %s, %d tokens", request_id, outcome or "refused", num_tokens)

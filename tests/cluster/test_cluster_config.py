@@ -320,3 +320,23 @@ def test_the_conditional_disaggregation_flag_sets_the_router_key(flag, expected)
     add_serve_arguments(parser)
     config = config_from_args(parser.parse_args(flag))
     assert config.router.conditional_disaggregation is expected
+
+
+def test_a_cluster_reachable_beyond_loopback_needs_api_keys(monkeypatch, tmp_path):
+    from cluster.app import load_keyring
+    from router.auth import ADMIN_KEY_ENV, API_KEYS_ENV
+
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    assert not load_keyring(load_cluster_config(overrides={"host": "127.0.0.1"})).enabled
+    assert not load_keyring(load_cluster_config(overrides={"host": "::1"})).enabled
+    with pytest.raises(ConfigError, match="not a loopback address and no API key is configured"):
+        load_keyring(load_cluster_config(overrides={"host": "0.0.0.0"}))
+    monkeypatch.setenv(API_KEYS_ENV, "sk-env-00001")
+    assert load_keyring(load_cluster_config(overrides={"host": "0.0.0.0"})).enabled
+    monkeypatch.delenv(API_KEYS_ENV)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants: [{name: a, keys: [sk-00000001]}]")
+    monkeypatch.chdir(tmp_path)
+    config = load_cluster_config(overrides={"host": "0.0.0.0", "api_keys_file": "keys.yaml"})
+    assert config.api_keys_file == str(keys) and load_keyring(config).enabled  # made absolute
