@@ -5,7 +5,8 @@
 
 Every engine access happens on the engine thread, between steps, so the engine needs no locks.
 The thread steps while there is work and sleeps on the command queue otherwise; while only KV
-hand-offs are open it polls them every ``idle_poll_s`` instead of spinning. A step that raises
+hand-offs are open it polls them every ``idle_poll_s`` instead of spinning, and after a step that
+finished prompts it waits a moment for their hand-offs before the next step. A step that raises
 leaves the engine unusable: every open stream ends with the error and ``is_healthy`` turns false,
 so the host can be restarted.
 
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MAX_KV_EVENTS = 4096
 _ROOM_WAIT_MARGIN_S = 5.0
+# After a prefill step that finished prompts, how long the thread may wait for their hand-offs'
+# acknowledgements before the next step: this share of the step just run, and never longer than
+# the cap (see _wait_for_acknowledgements).
+_ACK_WAIT_SHARE = 0.1
+_MAX_ACK_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -252,11 +258,13 @@ class AsyncEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     continue
+                step_started = time.monotonic()
                 outputs = self.engine.step()
                 self.num_steps += 1
                 self._publish()  # before the outputs go out: a caller that sees them sees this state
                 self._dispatch(outputs)
                 self._check_handoffs()
+                self._wait_for_acknowledgements(time.monotonic() - step_started)
                 self._serve_room_waiters()
                 if not outputs and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
                     time.sleep(self._idle_poll_s)  # only hand-offs are open: poll, don't spin
@@ -382,6 +390,24 @@ class AsyncEngine:
             del self._handoffs[request_id]
             sent = engine.transfers_sent.pop(request_id, None)
             _resolve(watch.loop, watch.future, HandoffEnded(watch.output, failure, sent, time.monotonic()))
+
+    def _wait_for_acknowledgements(self, step_s: float) -> None:
+        """Prefill role: before another step's forward pass, give the hand-offs this step just
+        finished a moment to be acknowledged. Without it an acknowledgement is seen only after that
+        next step, whose seconds the router's last token then waits out for prefill's reply (a
+        request's cached tokens), and its source blocks stay held as long. Bounded by a share of
+        the step just run, so at most that share of prefill throughput goes to waiting; usually
+        the receivers answer within a millisecond or two and the wait ends at once."""
+        engine = self.engine
+        if not self._handoffs or not (engine.scheduler.waiting or engine.scheduler.running):
+            return  # nothing watched, or no step to wait behind (the idle loop polls anyway)
+        deadline = time.monotonic() + min(_MAX_ACK_WAIT_S, _ACK_WAIT_SHARE * step_s)
+        while any(watch.output is not None for watch in self._handoffs.values()):
+            engine.poll_handoffs()
+            self._check_handoffs()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(self._idle_poll_s)
 
     def _fail_all(self, error: str) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -211,6 +211,15 @@ class LLMEngine:
         if request is not None and request_id in self.outputs.states:
             self._outputs_outside_step.append(self.outputs.build(request_id))
 
+    def poll_handoffs(self) -> None:
+        """Prefill role: take the shards' transfer reports without computing anything, so a hand-off
+        acknowledged since the last step is released (and its caller told) now, not after the next
+        step's forward pass, which on a busy prefill replica can take seconds."""
+        if self.handoff is None or not self.handoff.sending:
+            return
+        self.executor.connector_step(self.handoff.meta_for(None))
+        self._apply_handoff(self.executor.finish_step(None))
+
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         results: list[RequestOutput] = []

@@ -198,3 +198,67 @@ def test_a_malformed_ticket_fails_its_request_only(smol_dir):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_busy_prefill_replica_sees_a_hand_off_end_before_its_next_long_step(smol_dir):
+    """The acknowledgement of a finished prompt's KV is taken right after its step, not after the
+    next one's forward pass (on a loaded prefill replica, seconds the router would wait out)."""
+    import asyncio
+    import time
+
+    from engine.async_engine import AsyncEngine
+
+    prefill = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(smol_dir)),
+            cache=CacheConfig(kv_cache_memory=32 * 2**20),
+            scheduler=SchedulerConfig(role=EngineRole.PREFILL, max_num_seqs=1),  # one prompt a step
+            kv_connector=KVConnectorConfig(CONNECTOR, {"backend": "inproc"}),
+        )
+    )
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    steps: list[float] = []
+    execute = prefill.executor.execute
+
+    def slow_execute(*args, **kwargs):  # every forward pass takes long, as a loaded replica's does
+        steps.append(time.monotonic())
+        result = execute(*args, **kwargs)
+        time.sleep(0.3 if len(steps) == 1 else 1.0)
+        return result
+
+    prefill.executor.execute = slow_execute
+    params = SamplingParams(temperature=0, max_tokens=4)
+    tickets = {}
+    for request_id, text in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+        ids = prefill.tokenizer.encode(text)
+        block_ids = decode.reserve(request_id, ids, params)
+        tickets[request_id] = (
+            ids,
+            make_ticket(
+                request_id, "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
+            ).to_dict(),
+        )
+        decode.expect_kv(request_id, tickets[request_id][1])
+    host = AsyncEngine(prefill)
+
+    async def first_hand_off():
+        loop = asyncio.get_running_loop()
+
+        def add(e: LLMEngine):
+            ended = {rid: host.watch_handoff(e, rid, loop) for rid in tickets}
+            for rid, (ids, ticket) in tickets.items():
+                e.add_request(rid, ids, params, kv_ticket=ticket)
+            return ended
+
+        ended = await host.call(add)
+        return await asyncio.wait_for(ended["a"], 30), await asyncio.wait_for(ended["b"], 30)
+
+    try:
+        a, b = asyncio.run(first_hand_off())
+        assert a.failure is None and b.failure is None and len(steps) >= 2
+        # a's hand-off ended during b's step's second of compute at the latest without the wait;
+        # with it, before that step began.
+        assert a.ended_at < steps[1], (a.ended_at - steps[0], steps[1] - steps[0])
+    finally:
+        host.shutdown()
+        decode.shutdown()
