@@ -8,7 +8,7 @@ and rate, and how many requests its decode batch is running — and ``choose_pre
 
     local time  = (prompt tokens queued here + the prompt's tokens not cached here) / local rate
     remote time = RemotePrefillEstimate.seconds(prompt)
-    stall       = the prompt's tokens not cached here / local rate   (the running batch waits that long)
+    stall       = local time                                          (the running batch waits that long)
 
     local  iff  local time <= remote time  and  (nothing is running  or  stall <= max_stall_s)
                 (a tie goes local only when nothing is running: no one is held up to save the hand-off)
@@ -54,8 +54,9 @@ def choose_prefill_site(
     as fast as the remote one: same model, and each replica owns the same kind of device."""
     rate = local.tokens_per_s if local.tokens_per_s > 0 else remote.tokens_per_s
     uncached = max(1, num_prompt_tokens - local.num_cached_tokens)
-    stall_s = uncached / rate
-    local_s = (local.num_queued_tokens + uncached) / rate
+    # The running batch waits for the prompts queued here before this one too: a burst of short
+    # prompts each within the bound must not stall it by their sum.
+    local_s = stall_s = (local.num_queued_tokens + uncached) / rate
     remote_s = remote.seconds(num_prompt_tokens)
     facts = (
         f"{local.num_cached_tokens} of {num_prompt_tokens} prompt tokens cached here, "

@@ -182,15 +182,20 @@ class Executor:
             # Rank 0 serves the rendezvous store on a port the OS picks: no port race. TCPStore would
             # bind every interface whatever host it is given, so it gets a loopback socket of ours.
             listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, self.world_size))
-            store = dist.TCPStore(
-                "127.0.0.1",
-                listener.getsockname()[1],
-                self.world_size,
-                is_master=True,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=listener.detach(),  # the store owns the socket from here on
-            )
+            try:
+                store = dist.TCPStore(
+                    "127.0.0.1",
+                    listener.getsockname()[1],
+                    self.world_size,
+                    is_master=True,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False,
+                    master_listen_fd=listener.fileno(),
+                )
+            except BaseException:
+                listener.close()
+                raise
+            listener.detach()  # the store owns the socket from here on
             init_method = f"tcp://127.0.0.1:{store.port}"
             launcher = launcher or ProcessLauncher()
             payload = config.to_dict()

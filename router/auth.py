@@ -98,14 +98,20 @@ class KeyRing:
             spec = _read_yaml(path)
             for entry in spec.get("tenants") or []:
                 tenant, keys = _tenant(entry, path)
+                if any(t.name == tenant.name for t in tenants.values()):
+                    raise ConfigError(f"{path}: tenant {tenant.name!r} is named twice (one name, one cache salt)")
                 for key in keys:
                     _add(tenants, digest(key), tenant, path)
             admin |= {digest(k) for k in _keys(spec.get("admin_keys") or [], "admin_keys", path)}
-        env_keys = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        env_keys = _keys([k for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()], "keys", API_KEYS_ENV)
+        if env_keys and any(t.name == DEFAULT_TENANT for t in tenants.values()):
+            raise ConfigError(
+                f"{path}: tenant {DEFAULT_TENANT!r} is {API_KEYS_ENV}'s; name the file's tenant otherwise"
+            )
         for key in env_keys:
             _add(tenants, digest(key), Tenant(DEFAULT_TENANT), API_KEYS_ENV)
         if environ.get(ADMIN_KEY_ENV, "").strip():
-            admin.add(digest(environ[ADMIN_KEY_ENV].strip()))
+            admin |= {digest(k) for k in _keys([environ[ADMIN_KEY_ENV]], "the key", ADMIN_KEY_ENV)}
         if admin & set(tenants):
             raise ConfigError("a key is both a tenant's and an admin key; give the admin its own")
         return cls(tenants, frozenset(admin))
@@ -118,6 +124,13 @@ class KeyRing:
         if tenant is None:
             raise Unauthorized("incorrect API key provided")
         return tenant
+
+    def check_any(self, authorization: str | None) -> None:
+        """Raises Unauthorized unless the caller holds some key, a tenant's or an admin's."""
+        if self.enabled:
+            key_digest = digest(_bearer(authorization))
+            if key_digest not in self._tenants and key_digest not in self._admin:
+                raise Unauthorized("incorrect API key provided")
 
     def check_admin(self, authorization: str | None) -> None:
         """Raises Unauthorized unless the caller holds an admin key (or authentication is off)."""
@@ -203,7 +216,8 @@ class TenantGate:
         tokens = self._bucket(self._tokens, tenant.name, tenant.limits.tokens_per_minute, self._clock())
         if tokens is None:
             return
-        wait = tokens.take(num_tokens, self._clock())
+        charge = min(num_tokens, int(tokens.capacity))  # what take() takes of a request over a minute's worth
+        wait = tokens.take(charge, self._clock())
         if wait:
             raise RateLimited(
                 f"tenant {tenant.name!r} reached {tenant.limits.tokens_per_minute:g} tokens per minute "
@@ -211,7 +225,7 @@ class TenantGate:
                 wait,
                 "tokens",
             )
-        admission.tokens_charged = num_tokens
+        admission.tokens_charged = charge  # the refund at release is bounded by what was taken
 
     def release(self, admission: Admission, tokens_used: int) -> None:
         """The request ended having used ``tokens_used`` (prompt + output): the rest is refunded."""

@@ -13,6 +13,7 @@ plugs this into Ray Serve's request router; bench.placement times it alone.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -46,9 +47,36 @@ class PoolPlacement:
         self._prompt_blocks: OrderedDict[str, list[bytes]] = OrderedDict()
         self._expected: OrderedDict[str, str] = OrderedDict()  # request id -> the replica it was ranked first on
         self._reports: Sequence[ReplicaReport] = ()  # the last seen, for estimate()
+        # Serve ranks on its router thread, while the router's own loop asks for estimates (and the
+        # prefix index ages its memory as it reads): one caller at a time.
+        self._lock = threading.Lock()
 
     def observe(self, reports: Sequence[ReplicaReport], every_replica: bool = False) -> None:
         """Fresh reports; ``every_replica``: these are all the pool's replicas (forget the others)."""
+        with self._lock:
+            self._observe(reports, every_replica)
+
+    def place(
+        self, request: ServeRequest | None, reports: Sequence[ReplicaReport], in_flight: Mapping[str, int]
+    ) -> Placement:
+        """Rank the replicas for ``request`` (None: a report or health call, any replica). Raises
+        NoReplicaAvailable as the policy does. Call ``routed`` once the request is on a replica."""
+        with self._lock:
+            return self._place(request, reports, in_flight)
+
+    def estimate(self, request: ServeRequest) -> RemotePrefillEstimate | None:
+        """What ``request``'s prompt would cost on the replica this pool would place it on now (a
+        read: nothing is remembered as routed), with ``overhead_s`` 0 for the caller to fill in.
+        None while no replica can take it or has measured its prefill rate."""
+        with self._lock:
+            return self._estimate(request)
+
+    def routed(self, request: ServeRequest, replica_id: str) -> None:
+        """``request`` went to ``replica_id``."""
+        with self._lock:
+            self._routed(request, replica_id)
+
+    def _observe(self, reports: Sequence[ReplicaReport], every_replica: bool = False) -> None:
         self._reports = reports
         if not self.uses_prefixes:
             return
@@ -57,11 +85,9 @@ class PoolPlacement:
         if every_replica:
             self.prefix_index.keep_only(r.replica_id for r in reports)
 
-    def place(
+    def _place(
         self, request: ServeRequest | None, reports: Sequence[ReplicaReport], in_flight: Mapping[str, int]
     ) -> Placement:
-        """Rank the replicas for ``request`` (None: a report or health call, any replica). Raises
-        NoReplicaAvailable as the policy does. Call ``routed`` once the request is on a replica."""
         now = time.time()
         views = [self._load_view(r, in_flight.get(r.replica_id, 0), now) for r in reports]
         if request is None:
@@ -82,10 +108,7 @@ class PoolPlacement:
                 self._expected.popitem(last=False)
         return placement
 
-    def estimate(self, request: ServeRequest) -> RemotePrefillEstimate | None:
-        """What ``request``'s prompt would cost on the replica this pool would place it on now (a
-        read: nothing is remembered as routed), with ``overhead_s`` 0 for the caller to fill in.
-        None while no replica can take it or has measured its prefill rate."""
+    def _estimate(self, request: ServeRequest) -> RemotePrefillEstimate | None:
         now = time.time()
         views = [self._load_view(r, 0, now) for r in self._reports]
         blocks = self._blocks_of(request) if self.uses_prefixes else []
@@ -110,8 +133,8 @@ class PoolPlacement:
             overhead_s=0.0,
         )
 
-    def routed(self, request: ServeRequest, replica_id: str) -> None:
-        """``request`` went to ``replica_id``. Usually the ranking's first, already remembered; when
+    def _routed(self, request: ServeRequest, replica_id: str) -> None:
+        """Usually the ranking's first, already remembered; when
         Serve took another (the first was full), the prompt is remembered there too."""
         if not self.uses_prefixes or self._expected.pop(request.request_id, None) == replica_id:
             return

@@ -11,6 +11,7 @@ The decode replica weighs the result against computing the prompt itself (decode
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from common.serving import PrefillResult, RemotePrefillEstimate, ServeRequest
 if TYPE_CHECKING:
     from router.pool_placement import PoolPlacement
 
+logger = logging.getLogger(__name__)
 # Weight of the newest measurement in the overhead's moving average.
 _OVERHEAD_WEIGHT = 0.2
 
@@ -33,7 +35,11 @@ class RemotePrefillEstimator:
         """None (the decode replica then reserves for the prefill pool, as without conditional
         disaggregation) until the prefill pool has reported a measured prefill rate."""
         placement = self._prefill_placement()
-        estimate = placement.estimate(request) if placement is not None else None
+        try:
+            estimate = placement.estimate(request) if placement is not None else None
+        except Exception:  # an estimate is advice: without it the prefill pool computes the prompt
+            logger.exception("no prefill estimate for %s", request.request_id)
+            return None
         return None if estimate is None else dataclasses.replace(estimate, overhead_s=self.overhead_s)
 
     def observe(self, time_to_first_token_s: float, prefilled: PrefillResult) -> None:

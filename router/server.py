@@ -291,7 +291,7 @@ class RouterServer:
     # --- plain endpoints -------------------------------------------------------------------
     async def models(self, request: Request) -> Any:
         try:
-            self.keyring.tenant(request.headers.get("authorization"))
+            self.keyring.check_any(request.headers.get("authorization"))
         except Unauthorized as exc:
             return _error_response(_unauthorized(exc))
         card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
@@ -361,9 +361,11 @@ class RouterServer:
                 raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
             if admission is not None:
                 self.tenant_gate.charge_tokens(admission, len(prompt_ids) + parsed.sampling.max_tokens)
-        except Exception as exc:
-            if admission is not None:
+        except BaseException as exc:
+            if admission is not None:  # refused or cancelled before any pool work: nothing was used
                 self.tenant_gate.release(admission, 0)
+            if not isinstance(exc, Exception):
+                raise
             error = _refusal(exc)
             self.metrics.request_failed(error.status)
             logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
@@ -465,8 +467,8 @@ class RouterServer:
             raise
         finally:
             self.num_in_flight -= 1
-            if admission is not None:
-                self.tenant_gate.release(admission, num_prompt + num_tokens)  # unused max_tokens come back
+            if admission is not None:  # unused max_tokens come back; a refusal by a pool (outcome None) used none
+                self.tenant_gate.release(admission, num_prompt + num_tokens if outcome is not None else 0)
             self.serving_replica.pop(request_id, None)
             metrics.request_ended(outcome, started, first_token_time, num_tokens, num_prompt, finish_reason)
             logger.info("request %s ended: %s, %d tokens", request_id, outcome or "refused", num_tokens)

@@ -86,3 +86,10 @@ def test_without_an_estimate_the_replica_always_reserves(server):
     items = asyncio.run(collect(server, request("plain.0", list(range(500, 540)), None), take=1))
     assert isinstance(items[0], TicketIssued)
     assert asyncio.run(wait_idle(server)) == 0
+
+
+def test_a_router_that_leaves_a_locally_computed_request_frees_its_blocks(server):
+    prompt = list(range(600, 700))
+    items = asyncio.run(collect(server, request("gone.0", prompt, slow_pool()), take=1))
+    assert isinstance(items[0], StreamDelta) and items[0].new_token_ids  # computed here, then abandoned
+    assert asyncio.run(wait_idle(server)) == 0

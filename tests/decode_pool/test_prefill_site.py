@@ -59,3 +59,10 @@ def test_a_replica_that_never_prefilled_is_assumed_as_fast_as_the_remote_one():
 def test_the_local_queue_counts_against_computing_here():
     queued_here = LocalState(0, num_queued_tokens=3000, tokens_per_s=1000.0, num_running=0)
     assert not choose_prefill_site(100, remote(queued=1000), queued_here, max_stall_s=0.1).local
+
+
+def test_a_burst_of_short_prompts_stalls_the_batch_by_their_sum_not_each_alone():
+    # 50 uncached tokens alone would stall 50 ms; behind 90 queued here, 140 ms: over the bound.
+    queued = LocalState(num_cached_tokens=0, num_queued_tokens=90, tokens_per_s=1000.0, num_running=4)
+    site = choose_prefill_site(50, remote(queued=4000), queued, max_stall_s=0.1)
+    assert not site.local and "stall 4 running requests 140 ms" in site.reason

@@ -65,6 +65,13 @@ def test_keys_from_the_file_and_the_environment_name_their_tenant(keys_file):
     assert KeyRing.load(keys_file).fingerprint != ring.fingerprint
 
 
+def test_keys_from_the_environment_are_checked_as_the_file_s_are(keys_file):
+    with pytest.raises(ConfigError, match="at least 8 characters"):
+        KeyRing.load(None, {API_KEYS_ENV: "abc"})
+    with pytest.raises(ConfigError, match="at least 8 characters"):
+        KeyRing.load(None, {ADMIN_KEY_ENV: "abc"})
+
+
 def test_no_key_configured_asks_for_none():
     ring = KeyRing.load(None, {})
     assert not ring.enabled and ring.tenant(None) is None
@@ -81,6 +88,7 @@ def test_no_key_configured_asks_for_none():
         ("tenants: [{name: a, keys: [sk-00000001]}, {name: b, keys: [sk-00000001]}]", "two tenants"),
         ("tenants: [{name: a, keys: [sk-00000001]}]\nadmin_keys: [sk-00000001]", "both a tenant's and an admin"),
         ("users: []", "must be a mapping with 'tenants'"),
+        ("tenants: [{name: a, keys: [sk-00000001]}, {name: a, keys: [sk-00000002]}]", "named twice"),
     ],
 )
 def test_a_bad_keys_file_says_what_is_wrong(tmp_path, text, match):
@@ -123,6 +131,18 @@ def test_tokens_are_charged_at_admission_and_the_unused_output_refunded():
     gate.release(first, 500)  # it used 500 of its 800: 300 come back
     third = gate.admit(tenant)
     gate.charge_tokens(third, 500)
+
+
+def test_a_request_bigger_than_a_minute_s_tokens_cannot_refill_the_bucket_at_its_end():
+    clock = Clock()
+    gate, tenant = TenantGate(clock), Tenant("t", TenantLimits(tokens_per_minute=1000))
+    huge = gate.admit(tenant)
+    gate.charge_tokens(huge, 10**9)  # max_tokens has no bound of its own: it takes the whole minute
+    gate.release(huge, 10)  # used 10: at most what was taken comes back, not 10**9 - 10
+    small = gate.admit(tenant)
+    with pytest.raises(RateLimited):
+        gate.charge_tokens(small, 1000)
+    gate.charge_tokens(small, 990)
 
 
 def test_concurrent_requests_are_capped_per_tenant_and_freed_at_the_end():
@@ -199,6 +219,7 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             assert (await request("/v1/completions", "sk-wrong-0001", body))[0] == 401
             assert (await request("/v1/models", None))[0] == 401
             assert (await request("/v1/models", "sk-globex-001"))[0] == 200
+            assert (await request("/v1/models", "sk-admin-0001"))[0] == 200
             assert (await request("/pdserve/status", "sk-acme-0001"))[0] == 401
             assert (await request("/pdserve/status", "sk-admin-0001"))[0] == 200
             assert (await request("/health", None))[0] != 401  # probes need no key
@@ -214,6 +235,10 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             # Each tenant's prompts are hashed under its own salt, the client's own salt inside it.
             acme, _, globex = (r.cache_salt for r in pool.sent)
             assert acme == tenant_salt(Tenant("acme"), "mine") and globex == tenant_salt(Tenant("globex"), "mine")
+            assert server.tenant_gate.in_flight == {"acme": 0, "globex": 0}
+            # A refusal after admission (here the context length) gives the tenant's place back.
+            too_long = {**body, "prompt": [1] * 5000}
+            assert (await request("/v1/completions", "sk-globex-001", too_long))[0] == 400
             assert server.tenant_gate.in_flight == {"acme": 0, "globex": 0}
         finally:
             await server.listener.stop()
