@@ -64,3 +64,53 @@ tracing.record_span("two", 1.5, 1.8, tracing.extract(carrier))
     assert [s["name"] for s in spans] == ["one", "two"]
     assert spans[1]["parent_id"] == spans[0]["context"]["span_id"]
     assert spans[0]["resource"]["attributes"]["service.name"] == "pdserve-test"
+
+
+def test_otlp_tracing_posts_the_spans_to_the_configured_endpoint(tmp_path):
+    """tracing=otlp: a child process's spans reach an OTLP/HTTP receiver (here a local one that
+    decodes the protobuf export request, as a collector would)."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list[tuple[str, str, bytes]] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["content-length"]))
+            received.append((self.path, self.headers["content-type"], body))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    script = f"""
+from opentelemetry import trace
+from common import tracing
+tracing.setup_tracing("otlp", "pdserve-test", {endpoint!r})
+parent = tracing.record_span("pdserve.request", 1.0, 2.0, None, {{"gen_ai.usage.input_tokens": 3}})
+tracing.record_span("pdserve.attempt", 1.1, 1.9, parent)
+assert trace.get_tracer_provider().force_flush(10_000)
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    finally:
+        server.shutdown()
+    spans, services = {}, set()
+    for path, content_type, body in received:
+        assert path == "/v1/traces" and content_type == "application/x-protobuf"
+        export = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in export.resource_spans:
+            services |= {a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"}
+            for scope in resource_spans.scope_spans:
+                spans.update({span.name: span for span in scope.spans})
+    assert services == {"pdserve-test"} and set(spans) == {"pdserve.request", "pdserve.attempt"}
+    assert spans["pdserve.attempt"].parent_span_id == spans["pdserve.request"].span_id
+    assert spans["pdserve.attempt"].trace_id == spans["pdserve.request"].trace_id
