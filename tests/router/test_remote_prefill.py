@@ -11,7 +11,7 @@ import pytest
 
 from common.block_hash import hash_full_blocks, pack_short_hashes, short_hashes
 from common.serving import PrefillResult, RemotePrefillEstimate, ServeRequest
-from router.orchestrator import Orchestrator
+from router.orchestrator import Orchestrator, _NoObserver
 from router.pool_placement import PoolPlacement
 from router.remote_prefill import RemotePrefillEstimator
 from tests.router.test_orchestrator import GREEDY, TOKENS, FakeDecode, FakePrefill, FakeStream, tokens
@@ -75,18 +75,9 @@ class LocalWhenAsked(FakeDecode):
         return stream
 
 
-class Sites:
+class Sites(_NoObserver):
     def __init__(self) -> None:
         self.sites: list[bool] = []
-
-    def prefill_reply(self, result) -> None:
-        pass
-
-    def retried(self) -> None:
-        pass
-
-    def migrated(self) -> None:
-        pass
 
     def prefill_site(self, local: bool) -> None:
         self.sites.append(local)
