@@ -18,10 +18,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from common.block_hash import hash_full_blocks, short_hashes
 from common.serving import RemotePrefillEstimate, ReplicaReport, ServeRequest
 from router.placement import NoReplicaAvailable, Placement, PlacementPolicy, PlacementRequest, make_policy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, hashes_as_ints
 
 _REMEMBERED_PROMPTS = 256  # prompts whose block hashes are kept (Serve asks again on each backoff round)
 # A replica reports every second; past a few periods without one, its queue is not assumed to drain
@@ -44,7 +46,8 @@ class PoolPlacement:
         self.block_size = block_size
         self.uses_prefixes = role != "decode"  # a decode replica's prefix cache is not used for hand-offs
         self.prefix_index = PrefixIndex()
-        self._prompt_blocks: OrderedDict[str, list[bytes]] = OrderedDict()
+        # request id -> its prompt's short hashes, and the same as 64-bit ints (hashed once a request)
+        self._prompt_blocks: OrderedDict[str, tuple[list[bytes], np.ndarray]] = OrderedDict()
         self._expected: OrderedDict[str, str] = OrderedDict()  # request id -> the replica it was ranked first on
         self._reports: Sequence[ReplicaReport] = ()  # the last seen, for estimate()
         # Serve ranks on its router thread, while the router's own loop asks for estimates (and the
@@ -92,9 +95,9 @@ class PoolPlacement:
         views = [self._load_view(r, in_flight.get(r.replica_id, 0), now) for r in reports]
         if request is None:
             return self.policy.choose(PlacementRequest(request_id="-", num_prompt_tokens=0), views)
-        blocks = self._blocks_of(request) if self.uses_prefixes else []
+        blocks, ints = self._blocks_of(request) if self.uses_prefixes else ([], None)
         cached = {
-            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now) * self.block_size
+            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now, ints) * self.block_size
             for r in views
         }
         num_prompt = len(request.prompt_token_ids)
@@ -111,9 +114,9 @@ class PoolPlacement:
     def _estimate(self, request: ServeRequest) -> RemotePrefillEstimate | None:
         now = time.time()
         views = [self._load_view(r, 0, now) for r in self._reports]
-        blocks = self._blocks_of(request) if self.uses_prefixes else []
+        blocks, ints = self._blocks_of(request) if self.uses_prefixes else ([], None)
         cached = {
-            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now) * self.block_size
+            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now, ints) * self.block_size
             for r in views
         }
         try:
@@ -139,8 +142,8 @@ class PoolPlacement:
         if not self.uses_prefixes or self._expected.pop(request.request_id, None) == replica_id:
             return
         now = time.time()
-        blocks = self._blocks_of(request)
-        cached = self.prefix_index.cached_prefix_blocks(replica_id, blocks, now) * self.block_size
+        blocks, ints = self._blocks_of(request)
+        cached = self.prefix_index.cached_prefix_blocks(replica_id, blocks, now, ints) * self.block_size
         self._remember(request, replica_id, blocks, cached, now)
 
     def _remember(self, request: ServeRequest, replica_id: str, blocks: list[bytes], cached: int, now: float) -> None:
@@ -160,12 +163,13 @@ class PoolPlacement:
             report, num_waiting=report.num_waiting + max(0, in_flight - known), num_prefill_tokens_queued=queued
         )
 
-    def _blocks_of(self, request: ServeRequest) -> list[bytes]:
-        """The prompt's full blocks' short hashes, as its engine will hash them (salt included)."""
-        blocks = self._prompt_blocks.get(request.request_id)
-        if blocks is None:
-            hashes = hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
-            blocks = self._prompt_blocks[request.request_id] = short_hashes(hashes)
+    def _blocks_of(self, request: ServeRequest) -> tuple[list[bytes], np.ndarray]:
+        """The prompt's full blocks' short hashes, as its engine will hash them (salt included),
+        and the same as 64-bit ints."""
+        found = self._prompt_blocks.get(request.request_id)
+        if found is None:
+            hashes = short_hashes(hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt))
+            found = self._prompt_blocks[request.request_id] = (hashes, hashes_as_ints(hashes))
             if len(self._prompt_blocks) > _REMEMBERED_PROMPTS:
                 self._prompt_blocks.popitem(last=False)
-        return blocks
+        return found

@@ -37,6 +37,11 @@ def as_sorted_ints(packed: bytes) -> np.ndarray:
     return np.sort(np.frombuffer(packed[:usable], dtype=np.uint64))
 
 
+def hashes_as_ints(blocks: Sequence[bytes]) -> np.ndarray:
+    """A prompt's short hashes as the 64-bit ints reports are kept as (one array per prompt)."""
+    return np.frombuffer(b"".join(blocks), dtype=np.uint64)
+
+
 def _holds(sorted_ints: np.ndarray, value: np.uint64) -> bool:
     at = int(sorted_ints.searchsorted(value))
     return at < len(sorted_ints) and sorted_ints[at] == value
@@ -112,24 +117,28 @@ class PrefixIndex:
             log.drop_oldest()
         log.append(time.time() if now is None else now, frozenset(blocks), num_new_tokens)
 
-    def cached_prefix_blocks(self, replica_id: str, blocks: Sequence[bytes], now: float | None = None) -> int:
-        """How many of ``blocks`` (a prompt's short hashes, in order) lead the prompt on the replica."""
+    def cached_prefix_blocks(
+        self, replica_id: str, blocks: Sequence[bytes], now: float | None = None, as_ints: np.ndarray | None = None
+    ) -> int:
+        """How many of ``blocks`` (a prompt's short hashes, in order) lead the prompt on the replica.
+        ``as_ints``: the same hashes as 64-bit ints (``hashes_as_ints``), when the caller has them."""
         if not blocks:
             return 0
         reported = self._reported.get(replica_id, _EMPTY)
         log = self._expired(replica_id, time.time() if now is None else now)
         routed = log.counts if log is not None else {}
-        wanted = np.frombuffer(b"".join(blocks), dtype=np.uint64)
+        wanted = hashes_as_ints(blocks) if as_ints is None else as_ints
         if not _holds(reported, wanted[0]) and blocks[0] not in routed:
             return 0  # most replicas of a pool hold not even the first block: no array search
-        found = np.zeros(len(blocks), dtype=bool)
+        found = None
+        count = 0
         if len(reported):
             at = np.minimum(np.searchsorted(reported, wanted), len(reported) - 1)
             found = reported[at] == wanted
-        count = 0
-        for block, hit in zip(blocks, found.tolist(), strict=True):
-            if not hit and block not in routed:
-                break
+            count = len(blocks) if found.all() else int(found.argmin())  # the reported leading run
+        # Where the reported run ends, prompts routed here since may carry it on (and past them,
+        # reported blocks again): block by block, only over that tail.
+        while count < len(blocks) and (blocks[count] in routed or (found is not None and found[count])):
             count += 1
         return count
 

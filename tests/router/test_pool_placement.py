@@ -72,7 +72,7 @@ def test_a_prompt_is_remembered_once_where_ranked_first_and_also_where_serve_sen
     assert placement.place(c1, reports, {}).replica_id == "b"
     placement.routed(c1, "a")  # b was full: Serve took a
     assert placement.prefix_index.tokens_routed_since("a", 0.0) == 296 + 296
-    assert placement.prefix_index.cached_prefix_blocks("a", placement._blocks_of(c1)) == 18
+    assert placement.prefix_index.cached_prefix_blocks("a", placement._blocks_of(c1)[0]) == 18
 
 
 def test_routed_tokens_stop_counting_once_the_replica_had_time_to_compute_them():

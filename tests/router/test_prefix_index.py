@@ -25,6 +25,17 @@ def test_a_reported_prefix_counts_its_leading_blocks_only():
     assert index.cached_prefix_blocks("a", blocks(PROMPT)) == 0
 
 
+def test_reported_and_routed_blocks_carry_one_leading_run_between_them():
+    index = PrefixIndex()
+    hashes = blocks(PROMPT)  # six blocks
+    index.update("a", pack_short_hashes([hashes[0], hashes[1], hashes[3], hashes[5]]))
+    index.routed("a", [hashes[2]], num_new_tokens=16, now=100.0)
+    # 0, 1 reported, 2 routed, 3 reported again; 4 is nowhere, so 5 does not count
+    assert index.cached_prefix_blocks("a", hashes, now=101.0) == 4
+    assert index.cached_prefix_blocks("a", hashes, now=101.0, as_ints=prefix_index.hashes_as_ints(hashes)) == 4
+    assert index.cached_prefix_blocks("a", hashes, now=100.0 + ROUTED_MEMORY_S + 1) == 2  # the routed one aged out
+
+
 def test_a_salt_changes_every_block():
     index = PrefixIndex()
     index.update("a", pack_short_hashes(blocks(PROMPT, salt="tenant-a")))
