@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -181,8 +182,8 @@ class DecodeServer(EngineReplica):
         assert request.remote_prefill is not None
         prompt = request.prompt_token_ids
         if not engine.can_accept():
-            site = choose_prefill_site(len(prompt), request.remote_prefill, LocalState(0, 0, 0.0, 0), 0.0)
-            return PrefillSite(False, "remote: this replica's waiting queue is full", site.local_s, site.remote_s)
+            remote_s = request.remote_prefill.seconds(len(prompt))
+            return PrefillSite(False, "remote: this replica's waiting queue is full", math.inf, remote_s)
         local = LocalState(
             num_cached_tokens=engine.cached_prefix_tokens(prompt, request.cache_salt),
             num_queued_tokens=engine.scheduler.num_prefill_tokens_queued(),

@@ -95,13 +95,10 @@ class PoolPlacement:
         views = [self._load_view(r, in_flight.get(r.replica_id, 0), now) for r in reports]
         if request is None:
             return self.policy.choose(PlacementRequest(request_id="-", num_prompt_tokens=0), views)
-        blocks, ints = self._blocks_of(request) if self.uses_prefixes else ([], None)
-        cached = {
-            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now, ints) * self.block_size
-            for r in views
-        }
-        num_prompt = len(request.prompt_token_ids)
-        placement = self.policy.choose(PlacementRequest(request.request_id, num_prompt, cached), views)
+        blocks, cached = self._cached_tokens(request, views, now)
+        placement = self.policy.choose(
+            PlacementRequest(request.request_id, len(request.prompt_token_ids), cached), views
+        )
         if self.uses_prefixes and request.request_id not in self._expected:
             # Remembered at once as going to the ranking's first: the requests of a burst are ranked
             # before Serve has sent any of them, and must see each other's prompts to spread.
@@ -114,11 +111,7 @@ class PoolPlacement:
     def _estimate(self, request: ServeRequest) -> RemotePrefillEstimate | None:
         now = time.time()
         views = [self._load_view(r, 0, now) for r in self._reports]
-        blocks, ints = self._blocks_of(request) if self.uses_prefixes else ([], None)
-        cached = {
-            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now, ints) * self.block_size
-            for r in views
-        }
+        _, cached = self._cached_tokens(request, views, now)
         try:
             placement = self.policy.choose(
                 PlacementRequest(request.request_id, len(request.prompt_token_ids), cached), views
@@ -145,6 +138,17 @@ class PoolPlacement:
         blocks, ints = self._blocks_of(request)
         cached = self.prefix_index.cached_prefix_blocks(replica_id, blocks, now, ints) * self.block_size
         self._remember(request, replica_id, blocks, cached, now)
+
+    def _cached_tokens(
+        self, request: ServeRequest, views: Sequence[ReplicaReport], now: float
+    ) -> tuple[list[bytes], dict[str, int]]:
+        """The prompt's block hashes, and per replica the prompt tokens its prefix cache holds."""
+        blocks, ints = self._blocks_of(request) if self.uses_prefixes else ([], None)
+        cached = {
+            r.replica_id: self.prefix_index.cached_prefix_blocks(r.replica_id, blocks, now, ints) * self.block_size
+            for r in views
+        }
+        return blocks, cached
 
     def _remember(self, request: ServeRequest, replica_id: str, blocks: list[bytes], cached: int, now: float) -> None:
         num_prompt = len(request.prompt_token_ids)

@@ -11,6 +11,7 @@ are not implemented (``best_of``, ``logit_bias``, ``tools``…) are refused by n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -314,15 +315,7 @@ def usage(
 def _ttft_breakdown(breakdown: TTFTBreakdown) -> dict[str, float | None]:
     """Seconds to the microsecond; null for a part not known (no KV moved: kv_transfer_exposed_s)."""
 
-    def seconds(value: float | None) -> float | None:
-        return None if value is None else round(value, 6)
-
-    return {
-        "queue_s": seconds(breakdown.queue_s),
-        "prefill_s": seconds(breakdown.prefill_s),
-        "kv_transfer_exposed_s": seconds(breakdown.kv_transfer_exposed_s),
-        "other_s": seconds(breakdown.other_s),
-    }
+    return {part: None if value is None else round(value, 6) for part, value in dataclasses.asdict(breakdown).items()}
 
 
 def _finite(logprob: float) -> float:

@@ -12,6 +12,8 @@ functions over the pools' messages; the orchestrator builds the breakdown once, 
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.serving import PrefillResult, StreamDelta, TTFTBreakdown
 
 _SPAN_PREFIX = "pdserve.ttft."
@@ -39,10 +41,4 @@ def ttft_breakdown(ttft_s: float, prefilled: PrefillResult | None, finished: Str
 
 def ttft_span_attributes(breakdown: TTFTBreakdown) -> dict[str, float]:
     """``pdserve.ttft.<part>`` for the request's span, the parts known only."""
-    parts = {
-        "queue_s": breakdown.queue_s,
-        "prefill_s": breakdown.prefill_s,
-        "kv_transfer_exposed_s": breakdown.kv_transfer_exposed_s,
-        "other_s": breakdown.other_s,
-    }
-    return {_SPAN_PREFIX + name: value for name, value in parts.items() if value is not None}
+    return {_SPAN_PREFIX + name: value for name, value in dataclasses.asdict(breakdown).items() if value is not None}
