@@ -9,7 +9,8 @@ predicts the same curves, and the table shows predicted beside measured goodput.
 
 Writes a results folder: ``results.json`` (every request's timings), ``attainment.png``
 (attainment vs rate, every configuration), ``latency_cdf.png``, ``slo_scale.png`` and
-``command.txt`` (the exact command and configurations).
+``command.txt`` (the exact command and configurations). A ``mode=disagg`` configuration sends
+every prompt to the prefill pool unless it sets ``conditional_disaggregation=true``.
 
     python -m bench.goodput --config colocated:mode=colocated,replicas=2 \\
         --config disagg:mode=disagg,prefill_replicas=1,decode_replicas=1 \\
@@ -84,6 +85,10 @@ class Configuration:
         args = []
         for key, value in self.settings.items():
             args += [_FLAGS[key], value] if key in _FLAGS else ["--set", f"{_SET_KEYS[key]}={value}"]
+        if self.settings.get("mode", "disagg") == "disagg" and "conditional_disaggregation" not in self.settings:
+            # DistServe's disaggregation, as the simulator models it: every prompt to the prefill
+            # pool (`pdserve serve` itself defaults to conditional disaggregation).
+            args += ["--no-conditional-disaggregation"]
         return args + extra
 
     def spec(self) -> ClusterSpec:

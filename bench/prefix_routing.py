@@ -72,7 +72,12 @@ def reachable_hit_rate(prompt_ids: list[list[int]], records, block_size: int = 1
 
 
 def run_policy(policy: str, args: argparse.Namespace, workload, prompt_ids: list[list[int]]) -> dict:
-    shape = ["--prefill-replicas", str(args.replicas)] if args.mode == "disagg" else ["--replicas", str(args.replicas)]
+    # Disaggregated, every prompt goes to the prefill pool: its placement is what is measured.
+    shape = (
+        ["--prefill-replicas", str(args.replicas), "--no-conditional-disaggregation"]
+        if args.mode == "disagg"
+        else ["--replicas", str(args.replicas)]
+    )
     server = start_server(["--mode", args.mode, *shape, "--set", f"router.placement_policy={policy}", *args.serve_arg])
     try:
         result = asyncio.run(run_load(server.base_url, MODEL, workload, progress=False))

@@ -265,6 +265,10 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     else:
         lease = (config.router.kv_lease_s, config.router.kv_lease_per_token_s)
         stall_s = config.router.local_prefill_max_stall_s
+        if pool == "decode" and config.router.conditional_disaggregation:
+            # The prompts it computes itself go in chunks beside its decode batch, each step's held to stall_s.
+            scheduler = dataclasses.replace(engine_config.scheduler, max_decode_stall_s=stall_s)
+            engine_config = dataclasses.replace(engine_config, scheduler=scheduler)
         args = (
             engine_config.to_dict(),
             launcher,
@@ -273,7 +277,6 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
             spec.cores,
             config.stream_interval,
             tracing,
-            stall_s,
         )
         server = DecodeServer
     return _versioned(serve.deployment(server).options(**options), _version(server, args, options)).bind(*args)

@@ -92,10 +92,12 @@ class RouterConfig:
     max_retries: int = 1  # prefill retries / decode resumes per request
     # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
     # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
-    # sooner, and it would not hold up its running batch longer than local_prefill_max_stall_s
-    # (decode_pool/prefill_site.py).
-    conditional_disaggregation: bool = False
-    local_prefill_max_stall_s: float = 0.1
+    # sooner (decode_pool/prefill_site.py). It computes it in chunks beside its decode batch, each
+    # step spending at most local_prefill_max_stall_s on prompt tokens (at least 32 of them).
+    # On by default (as Dynamo's disaggregated router does): on a small host it more than doubles
+    # goodput (README). False: every prompt goes to the prefill pool (DistServe's experiments).
+    conditional_disaggregation: bool = True
+    local_prefill_max_stall_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.placement_policy:

@@ -66,7 +66,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="disagg mode: a decode replica computes a prompt itself when that is sooner than the prefill pool "
-        "(default off)",
+        "(default on; --no-conditional-disaggregation sends every prompt to the prefill pool)",
     )
     parser.add_argument(
         "--tracing", help="where trace spans go: none (default), console, file:PATH or otlp (see tracing_endpoint)"

@@ -65,6 +65,9 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory={memory} bytes is too small; give bytes (> 1) or a fraction")
 
 
+MIN_STALL_CHUNK_TOKENS = 32  # prompt chunks beside decodes never get smaller: each step must move the prompt
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     role: EngineRole = EngineRole.COLOCATED
@@ -72,9 +75,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill chunks and decodes together
     max_prefill_chunk: int | None = None  # longest prefill chunk one request gets per step; None: the budget
     max_num_waiting: int = 4096  # bound of the waiting queue; a request beyond it is refused (retryable)
+    # A step that runs decoding requests computes at most about this long of prompt tokens (at the
+    # engine's measured prefill rate, and at least MIN_STALL_CHUNK_TOKENS), so a prompt computed
+    # beside a decode batch holds up its tokens a little each step, not all at once. None: only
+    # max_num_batched_tokens bounds them.
+    max_decode_stall_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", EngineRole(self.role))
+        if self.max_decode_stall_s is not None and not self.max_decode_stall_s >= 0:
+            raise ConfigError(f"max_decode_stall_s={self.max_decode_stall_s} must be >= 0 seconds or None")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:

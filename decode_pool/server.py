@@ -90,7 +90,6 @@ class DecodeServer(EngineReplica):
         cores: int | None = None,
         stream_interval: int = 1,
         tracing: tuple[str, str | None] = ("none", None),
-        local_prefill_max_stall_s: float = 0.1,
     ) -> None:
         config = EngineConfig.from_dict(engine_config)
         setup_tracing(tracing[0], f"pdserve-{config.scheduler.role.value}", tracing[1])
@@ -103,7 +102,6 @@ class DecodeServer(EngineReplica):
         self.item_timeout_s = item_timeout_s
         self.reserve_timeout_s = min(self.kv_lease_s, item_timeout_s)
         self.stream_interval = stream_interval  # tokens per delta after the first (decode_pool.stream_interval)
-        self.local_prefill_max_stall_s = local_prefill_max_stall_s  # decode_pool.prefill_site
         logger.info("decode replica %s ready (%s)", self.replica_id, config.scheduler.role.value)
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TicketIssued | StreamDelta]:
@@ -181,16 +179,22 @@ class DecodeServer(EngineReplica):
     def _weigh_prefill_site(self, engine: LLMEngine, request: ServeRequest) -> PrefillSite:
         assert request.remote_prefill is not None
         prompt = request.prompt_token_ids
-        if not engine.can_accept():
-            remote_s = request.remote_prefill.seconds(len(prompt))
-            return PrefillSite(False, "remote: this replica's waiting queue is full", math.inf, remote_s)
+        stall_s = engine.config.scheduler.max_decode_stall_s
+        why_not = None
+        if stall_s is None:  # its prompts would hold up the running batch for their whole length
+            why_not = "remote: this replica does not chunk prompts beside decodes (no max_decode_stall_s)"
+        elif not engine.can_accept():
+            why_not = "remote: this replica's waiting queue is full"
+        if why_not is not None:
+            return PrefillSite(False, why_not, math.inf, request.remote_prefill.seconds(len(prompt)))
         local = LocalState(
             num_cached_tokens=engine.cached_prefix_tokens(prompt, request.cache_salt),
             num_queued_tokens=engine.scheduler.num_prefill_tokens_queued(),
             tokens_per_s=engine.prefill_tokens_per_s,
             num_running=len(engine.scheduler.running),
+            decode_step_s=engine.decode_step_s,
         )
-        return choose_prefill_site(len(prompt), request.remote_prefill, local, self.local_prefill_max_stall_s)
+        return choose_prefill_site(len(prompt), request.remote_prefill, local, stall_s)
 
     def _reserve(self, engine: LLMEngine, request: ServeRequest, params: SamplingParams) -> dict | None:
         """On the engine thread: hold blocks, register the ticket on every shard, return it (None: no room)."""

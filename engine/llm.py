@@ -32,6 +32,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_prefill_chunk: int | None = None,
         max_num_waiting: int = 4096,
+        max_decode_stall_s: float | None = None,
         cache_dir: str | None = None,
     ) -> None:
         config = EngineConfig(
@@ -46,6 +47,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_chunk=max_prefill_chunk,
                 max_num_waiting=max_num_waiting,
+                max_decode_stall_s=max_decode_stall_s,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )

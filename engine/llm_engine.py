@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.config import EngineConfig, EngineRole
+from common.config import MIN_STALL_CHUNK_TOKENS, EngineConfig, EngineRole
 from common.errors import InvalidRequestError, OverloadedError
 from common.kv_events import KVCacheEvent, PrefixCacheStats
 from common.kv_layout import KVCacheLayout
@@ -47,7 +47,11 @@ class EngineStats:
 
 _MAX_TRANSFERS_KEPT = 4096  # ended hand-offs a caller has not taken (AsyncEngine takes each at once)
 _MIN_PREFILL_TOKENS_TIMED = 32  # a step with fewer prefill tokens times its overhead, not prefill
-_PREFILL_RATE_WEIGHT = 0.2  # of the newest step in the moving average
+_NEWEST_STEP_WEIGHT = 0.2  # of the newest step in the moving average
+
+
+def _moving_average(old: float, new: float) -> float:
+    return new if not old else (1 - _NEWEST_STEP_WEIGHT) * old + _NEWEST_STEP_WEIGHT * new
 
 
 def _generator(seed: int | None):
@@ -77,7 +81,8 @@ class LLMEngine:
         self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
         self.transfers_sent: dict[str, SentKV] = {}  # prefill role: ended hand-offs, until their caller takes them
         self.num_kv_lease_expirations = 0
-        self.prefill_tokens_per_s = 0.0  # measured, see _measure_prefill_rate; 0 until a prefill ran
+        self.prefill_tokens_per_s = 0.0  # measured, see _record_prefill_steps; 0 until a prefill ran
+        self.decode_step_s = 0.0  # a step with no prompt tokens (moving average); 0 until one ran
         self.num_kv_transfer_failures = 0
 
     @property
@@ -223,7 +228,7 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         results: list[RequestOutput] = []
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._prompt_token_cap())
         self.num_preemptions += len(scheduled.preempted_request_ids)
         meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
@@ -264,10 +269,18 @@ class LLMEngine:
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
 
+    def _prompt_token_cap(self) -> int | None:
+        """How many prompt tokens a step beside decodes may compute (SchedulerConfig.max_decode_stall_s)."""
+        stall_s = self.config.scheduler.max_decode_stall_s
+        if stall_s is None:
+            return None
+        return max(MIN_STALL_CHUNK_TOKENS, int(self.prefill_tokens_per_s * stall_s))
+
     def _record_prefill_steps(self, scheduled: SchedulerOutput, started: float, ended: float) -> None:
-        """Each prompt chunk's step on its request's timeline (its trace spans), and the prompt
-        tokens computed per second in steps that carry prefill chunks (a moving average): what a
-        router needs to tell how fast a replica's queued prompts drain between its reports."""
+        """Each prompt chunk's step on its request's timeline (its trace spans), and two moving
+        averages: the prompt tokens computed per second (what a router needs to tell how fast a
+        replica's queued prompts drain between its reports; a step that also decodes counts its time
+        less a decode step's) and the time of a step with no prompt tokens."""
         num_prefill = 0
         for chunk in scheduled.chunks:
             if chunk.in_prompt:
@@ -276,11 +289,16 @@ class LLMEngine:
                 if state is not None:
                     state.metrics.prefill_chunks.append((started, ended, len(chunk.token_ids)))
         seconds = ended - started
-        if num_prefill < _MIN_PREFILL_TOKENS_TIMED or seconds <= 0:
+        if seconds <= 0:
             return
-        rate = num_prefill / seconds
-        old = self.prefill_tokens_per_s
-        self.prefill_tokens_per_s = rate if not old else (1 - _PREFILL_RATE_WEIGHT) * old + _PREFILL_RATE_WEIGHT * rate
+        if not num_prefill:
+            self.decode_step_s = _moving_average(self.decode_step_s, seconds)
+            return
+        if num_prefill < _MIN_PREFILL_TOKENS_TIMED:
+            return
+        if len(scheduled.chunks) > 1 and any(not chunk.in_prompt for chunk in scheduled.chunks):
+            seconds = max(seconds - self.decode_step_s, seconds / 2)  # the decodes' share of a mixed step
+        self.prefill_tokens_per_s = _moving_average(self.prefill_tokens_per_s, num_prefill / seconds)
 
     def _emit_new_tokens(self, request: Request) -> RequestOutput:
         """The output of a request's tokens not yet emitted; a stop string among them ends it."""

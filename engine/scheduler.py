@@ -2,8 +2,12 @@
 
 Each step has a token budget. Running requests go first, in arrival order: a request still in
 its prompt gets a chunk of at most ``prefill_chunk`` tokens, a decoding one gets its one new
-token. When blocks run out, the most recently admitted running request is preempted (its blocks
-freed, recomputed later from its tokens). Then waiting requests are admitted while budget, seats
+token. A step that runs decoding requests may also cap its prompt tokens (``prompt_token_cap``,
+from the engine's ``max_decode_stall_s``): their tokens then wait for a short step, not for a
+whole prompt; a request held back by the cap keeps its place, and ones behind it that do not
+compute prompt tokens (decode role: KV received) are admitted past it. When blocks run out, the
+most recently admitted running request is preempted (its blocks freed, recomputed later from its
+tokens). Then waiting requests are admitted while budget, seats
 (``max_num_seqs``) and blocks last; admission first reuses prefix-cached blocks.
 
 Roles change admission, not the data model:
@@ -100,13 +104,22 @@ class Scheduler:
         return request
 
     # --- the step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prompt_token_cap: int | None = None) -> SchedulerOutput:
+        """The step's chunks. ``prompt_token_cap``: the most prompt tokens the step computes when it
+        also runs decoding requests (None: no cap beyond the token budget)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prompt_budget = budget if prompt_token_cap is None or not self._has_decodes() else max(1, prompt_token_cap)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
+            if _in_prompt(request):
+                num_new = min(num_new, prompt_budget)
+                if num_new <= 0:  # held back by the cap; it keeps its blocks and its place
+                    index += 1
+                    continue
+                prompt_budget -= num_new
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -121,13 +134,18 @@ class Scheduler:
 
         # Admitting while this step preempted would only thrash the blocks just freed.
         evicted: list[str] = []
+        index = 0  # waiting requests before it are held back by the prompt cap
         while (
             not out.preempted_request_ids
-            and self.waiting
+            and index < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[index]
+            in_prompt = _in_prompt(request)
+            if in_prompt and prompt_budget <= 0:
+                index += 1
+                continue
             hits: list[KVBlock] = []
             num_hit_tokens = 0
             if request.request_id not in self.kv.req_blocks:
@@ -137,6 +155,8 @@ class Scheduler:
                 budget,
                 self._chunk_limit(request, num_hit_tokens),
             )
+            if in_prompt:
+                num_new = min(num_new, prompt_budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 # Nothing running will ever free blocks; waiting requests that hold some (decode role:
                 # KV received, not yet admitted) give them up and recompute later, or nobody moves.
@@ -146,7 +166,9 @@ class Scheduler:
                 self._preempt_waiting(holder)
                 evicted.append(holder.request_id)
                 continue
-            self.waiting.popleft()
+            if in_prompt:
+                prompt_budget -= num_new
+            del self.waiting[index]
             self.kv.pool.record_lookup(request.num_tokens, num_hit_tokens)
             if hits:
                 request.num_computed_tokens += num_hit_tokens
@@ -238,6 +260,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # --- helpers ---------------------------------------------------------------------------
+    def _has_decodes(self) -> bool:
+        """Whether this step runs a request past its prompt (running, or decode role: KV received)."""
+        return any(not _in_prompt(r) for r in self.running) or any(
+            not _in_prompt(r) for r in self.waiting if r.num_computed_tokens
+        )
+
     def _chunk_limit(self, request: Request, num_hit_tokens: int = 0) -> int:
         in_prompt = request.num_computed_tokens + num_hit_tokens < request.num_tokens - 1
         return self.config.prefill_chunk if in_prompt else 1 << 30
@@ -275,3 +303,8 @@ class Scheduler:
         yield from self.running
         yield from self.waiting
         yield from self.reserved.values()
+
+
+def _in_prompt(request: Request) -> bool:
+    """Its next chunk computes prompt tokens (a fresh or preempted request's, not a decode's)."""
+    return request.num_computed_tokens < request.num_prompt_tokens

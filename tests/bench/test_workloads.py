@@ -298,3 +298,9 @@ def test_goodput_configurations_pass_router_options_through_set():
         "1",
     ]
     assert config.spec().mode == "disagg"
+    # A disaggregated configuration that does not say is DistServe's: every prompt to the prefill pool.
+    pure = Configuration.parse("pure:mode=disagg,prefill_cores=1")
+    assert pure.serve_args(["--port", "0"]) == [
+        "--mode", "disagg", "--prefill-cores", "1", "--no-conditional-disaggregation", "--port", "0"
+    ]  # fmt: skip
+    assert "--no-conditional-disaggregation" not in Configuration.parse("c:mode=colocated").serve_args([])

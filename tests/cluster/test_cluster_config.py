@@ -310,7 +310,10 @@ def test_the_default_kv_budget_is_a_share_of_free_memory_split_between_shards(mo
     assert load_cluster_config().engine_config("decode").cache.kv_cache_memory == 0.2  # unresolved: per instance
 
 
-@pytest.mark.parametrize(("flag", "expected"), [([], False), (["--conditional-disaggregation"], True)])
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [([], True), (["--conditional-disaggregation"], True), (["--no-conditional-disaggregation"], False)],
+)
 def test_the_conditional_disaggregation_flag_sets_the_router_key(flag, expected):
     import argparse
 

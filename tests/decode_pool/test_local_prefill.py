@@ -21,10 +21,10 @@ def server(tiny_dir):
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_dir)),
         cache=CacheConfig(kv_cache_memory=8 * 2**20),
-        scheduler=SchedulerConfig(role=EngineRole.DECODE),
+        scheduler=SchedulerConfig(role=EngineRole.DECODE, max_decode_stall_s=0.1),
         kv_connector=connector,
     )
-    replica = DecodeServer(config.to_dict(), local_prefill_max_stall_s=0.1)
+    replica = DecodeServer(config.to_dict())
     yield replica
     replica.engine.shutdown()
 
@@ -93,3 +93,26 @@ def test_a_router_that_leaves_a_locally_computed_request_frees_its_blocks(server
     items = asyncio.run(collect(server, request("gone.0", prompt, slow_pool()), take=1))
     assert isinstance(items[0], StreamDelta) and items[0].new_token_ids  # computed here, then abandoned
     assert asyncio.run(wait_idle(server)) == 0
+
+
+def test_a_replica_that_would_not_chunk_prompts_always_reserves(tiny_dir):
+    # Without max_decode_stall_s a prompt computed here would hold up the running batch for its
+    # whole length, which the decision does not cost: such a replica never takes one.
+    connector = KVConnectorConfig(KV_CONNECTOR, {"backend": "tcp", "receive": True})
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_dir)),
+        cache=CacheConfig(kv_cache_memory=8 * 2**20),
+        scheduler=SchedulerConfig(role=EngineRole.DECODE),
+        kv_connector=connector,
+    )
+    replica = DecodeServer(config.to_dict())
+    try:
+        site = asyncio.run(
+            replica.engine.call(lambda e: replica._weigh_prefill_site(e, request("x", [1, 2], slow_pool())))
+        )
+        assert not site.local and "no max_decode_stall_s" in site.reason
+        items = asyncio.run(collect(replica, request("unchunked.0", list(range(100, 160)), slow_pool()), take=1))
+        assert isinstance(items[0], TicketIssued)
+        assert asyncio.run(wait_idle(replica)) == 0
+    finally:
+        replica.engine.shutdown()

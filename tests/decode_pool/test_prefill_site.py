@@ -22,19 +22,30 @@ def test_an_idle_decode_replica_computes_a_prompt_itself_rather_than_pay_the_han
     assert "prefill replica p0" in site.reason
 
 
-def test_a_long_prefill_queue_sends_a_prompt_to_a_busy_decode_replica_within_the_stall_bound():
-    busy = LocalState(0, 0, 1000.0, num_running=8)
-    assert choose_prefill_site(50, remote(queued=4000), busy, max_stall_s=0.1).local  # 50 ms stall
-    # The same prompt with the prefill pool idle: the hand-off is cheaper than the stall it saves nobody.
+def test_a_long_prefill_queue_sends_a_prompt_to_a_busy_decode_replica():
+    busy = LocalState(0, 0, 1000.0, num_running=8, decode_step_s=0.03)
+    site = choose_prefill_site(50, remote(queued=4000), busy, max_stall_s=0.1)
+    assert site.local and site.local_s == pytest.approx(0.05 + 0.03)  # one chunk, one decode step beside it
+    # The same prompt with the prefill pool idle: the hand-off costs the running batch nothing.
     assert not choose_prefill_site(50, remote(queued=0, overhead_s=0.0), busy, max_stall_s=0.1).local
 
 
-def test_a_long_prompt_stays_remote_when_it_would_stall_the_running_batch():
-    busy = LocalState(0, 0, 1000.0, num_running=3)
-    site = choose_prefill_site(2000, remote(queued=10_000), busy, max_stall_s=0.1)
-    assert not site.local and "stall 3 running requests 2000 ms" in site.reason
-    # Nothing running: nobody is stalled, and the queue makes local sooner.
-    assert choose_prefill_site(2000, remote(queued=10_000), IDLE, max_stall_s=0.1).local
+def test_a_long_prompt_beside_a_running_batch_costs_a_decode_step_per_chunk():
+    busy = LocalState(0, 0, 1000.0, num_running=3, decode_step_s=0.03)
+    site = choose_prefill_site(2000, remote(queued=0), busy, max_stall_s=0.1)
+    # 20 chunks of 100 tokens (0.1 s at 1,000 tokens/s), each beside a 30 ms decode step.
+    assert not site.local and site.local_s == pytest.approx(2.0 + 20 * 0.03) and site.remote_s == pytest.approx(2.05)
+    assert "3 running in 30 ms steps, chunks of 100" in site.reason
+    # Nothing running: no chunking, so here is sooner than the hand-off.
+    assert choose_prefill_site(2000, remote(queued=0), IDLE, max_stall_s=0.1).local
+    # A prefill queue of 1,000 tokens makes the chunked prompt the sooner one after all.
+    assert choose_prefill_site(2000, remote(queued=1000), busy, max_stall_s=0.1).local
+
+
+def test_chunks_never_get_smaller_than_the_floor():
+    busy = LocalState(0, 0, 1000.0, num_running=2, decode_step_s=0.01)
+    site = choose_prefill_site(320, remote(queued=10_000), busy, max_stall_s=0.0)
+    assert site.local_s == pytest.approx(0.32 + 10 * 0.01) and "chunks of 32" in site.reason
 
 
 def test_a_large_local_prefix_hit_makes_a_long_prompt_cheap_here():
@@ -61,8 +72,11 @@ def test_the_local_queue_counts_against_computing_here():
     assert not choose_prefill_site(100, remote(queued=1000), queued_here, max_stall_s=0.1).local
 
 
-def test_a_burst_of_short_prompts_stalls_the_batch_by_their_sum_not_each_alone():
-    # 50 uncached tokens alone would stall 50 ms; behind 90 queued here, 140 ms: over the bound.
-    queued = LocalState(num_cached_tokens=0, num_queued_tokens=90, tokens_per_s=1000.0, num_running=4)
-    site = choose_prefill_site(50, remote(queued=4000), queued, max_stall_s=0.1)
-    assert not site.local and "stall 4 running requests 140 ms" in site.reason
+def test_a_burst_of_short_prompts_is_costed_by_their_sum_not_each_alone():
+    # 50 uncached tokens behind 90 queued here: 140 tokens, two chunks of 100, two decode steps.
+    queued = LocalState(
+        num_cached_tokens=0, num_queued_tokens=90, tokens_per_s=1000.0, num_running=4, decode_step_s=0.03
+    )
+    site = choose_prefill_site(50, remote(queued=100, overhead_s=0.0), queued, max_stall_s=0.1)
+    assert site.local_s == pytest.approx(0.14 + 0.06) and not site.local  # remote: 0.15 s
+    assert choose_prefill_site(50, remote(queued=200, overhead_s=0.0), queued, max_stall_s=0.1).local  # 0.25 s

@@ -68,18 +68,30 @@ def test_chat_template(llm, hf_smol, hf_reference):
     assert output.outputs[0].token_ids == hf_reference(hf_smol, list(ids), 16)
 
 
+def generate_chunked(smol_dir, prompts, **scheduling) -> list:
+    with LLM(str(smol_dir), kv_cache_memory=64 * 2**20, enable_prefix_caching=False, **scheduling) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+        assert llm.engine.num_blocks_held() == 0
+    return outputs
+
+
 def test_chunked_prefill_across_block_boundaries(smol_dir, mixed_prompts, hf_smol, hf_reference):
     prompts = [mixed_prompts[i] for i in (9, 11, 12)]  # 100, 257, 400 tokens
     # 37-token chunks never align with 16-token blocks; a 48-token budget mixes chunks and decodes.
-    with LLM(
-        str(smol_dir),
-        kv_cache_memory=64 * 2**20,
-        max_prefill_chunk=37,
-        max_num_batched_tokens=48,
-        enable_prefix_caching=False,
-    ) as llm:
-        outputs = llm.generate(prompts, GREEDY)
-        assert llm.engine.num_blocks_held() == 0
+    outputs = generate_chunked(smol_dir, prompts, max_prefill_chunk=37, max_num_batched_tokens=48)
+    assert_matches_oracle(outputs, prompts, hf_smol, hf_reference, 12)
+
+
+def test_prompts_beside_decoding_requests_go_in_capped_chunks(smol_dir, mixed_prompts, hf_smol, hf_reference):
+    prompts = [mixed_prompts[i] for i in (8, 11, 12)]  # 64, 257, 400 tokens
+    # Step 1 has no decodes (64 + 36 prompt tokens); from step 2 the first request decodes, and
+    # max_decode_stall_s=0 holds every later step's prompt tokens to the 32-token floor.
+    outputs = generate_chunked(smol_dir, prompts, max_num_batched_tokens=100, max_decode_stall_s=0.0)
+    chunks = [[n for _start, _end, n in output.metrics.prefill_chunks] for output in outputs]
+    assert chunks[0] == [64] and chunks[1] == [36, 32, 32, 32, 32, 32, 32, 29]
+    # The third prompt starts in the 3 tokens left beside the second's last chunk; its last 45 come
+    # once the other two have finished: with nothing decoding, no cap.
+    assert chunks[2] == [3] + [32] * 11 + [45]
     assert_matches_oracle(outputs, prompts, hf_smol, hf_reference, 12)
 
 

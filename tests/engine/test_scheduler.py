@@ -207,3 +207,58 @@ def test_prefix_hit_stats_count_each_admitted_request_once():
     run_all(s)
     stats = s.kv.pool.stats()
     assert stats.num_queried_tokens == 24 and stats.num_hit_tokens == 8
+
+
+def run_capped(s: Scheduler, cap: int):
+    out = s.schedule(prompt_token_cap=cap)
+    sampled = {c.request_id: fake_token(c.request_id, c.start_position) for c in out.chunks if c.samples}
+    s.update_from_output(out, sampled)
+    s.kv.check_integrity()
+    return out
+
+
+def prompt_tokens(out) -> int:
+    return sum(len(c.token_ids) for c in out.chunks if c.in_prompt)
+
+
+def test_the_prompt_cap_holds_only_beside_decoding_requests():
+    s = make()
+    s.add_request(request("alone", 40, max_tokens=20))
+    first = run_capped(s, cap=8)
+    assert prompt_tokens(first) == 40  # nothing decoding yet: the whole prompt in one step
+    s.add_request(request("beside", 30, max_tokens=2))
+    chunks = []
+    while "beside" in s.requests:
+        out = run_capped(s, cap=8)
+        assert "alone" in [c.request_id for c in out.chunks if not c.in_prompt]  # its token every step
+        assert prompt_tokens(out) <= 8
+        chunks += [len(c.token_ids) for c in out.chunks if c.request_id == "beside"]
+    assert chunks == [8, 8, 8, 6, 1]
+    assert s.kv.num_held_blocks() == len(s.kv.block_ids("alone"))
+
+
+def test_the_prompt_cap_is_shared_by_every_prompt_in_the_step():
+    s = make()
+    s.add_request(request("decoding", 4, max_tokens=30))
+    run_capped(s, cap=8)
+    s.add_request(request("a", 10, max_tokens=1))
+    s.add_request(request("bb", 10, max_tokens=1))  # another prompt (request() keys it by the id's length)
+    out = run_capped(s, cap=8)
+    assert prompt_tokens(out) == 8 and [c.request_id for c in out.chunks] == ["decoding", "a"]
+    out = run_capped(s, cap=8)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("decoding", 1), ("a", 2), ("bb", 6)]
+
+
+def test_a_decode_ready_request_is_admitted_past_a_prompt_held_back_by_the_cap():
+    s = make({"role": EngineRole.DECODE})
+    s.add_request(request("local", 40, max_tokens=1))  # computed here (conditional disaggregation)
+    s.reserve(request("remote", 8, max_tokens=3))
+    s.kv_ready("remote", first_token_id=5)  # queued behind the local prompt
+    out = run_capped(s, cap=8)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("local", 8), ("remote", 1)]
+    s.add_request(request("late", 12, max_tokens=1))
+    out = run_capped(s, cap=8)
+    # The running prompt takes the cap; the newer one waits without blocking anyone.
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("local", 8), ("remote", 1)]
+    run_all(s)
+    assert s.kv.num_held_blocks() == 0
