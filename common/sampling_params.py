@@ -17,6 +17,11 @@ from common.errors import InvalidRequestError
 # Below this a temperature is treated as greedy: dividing logits by it would overflow anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Stop strings are searched in the new text of every step on the engine thread, and the longest
+# one sets how much text a stream holds back: both stay bounded whatever a client sends.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_int(value: object) -> bool:
@@ -140,9 +145,15 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
             f"unknown stop type {type(stop).__name__}: stop must be a string or a list of strings",
             param="stop",
         )
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}", param="stop")
     for item in items:
         if not isinstance(item, str) or not item:
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {item!r}", param="stop")
+        if len(item) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(item)}", param="stop"
+            )
     return items  # type: ignore[return-value]
 
 
@@ -153,6 +164,10 @@ def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
         raise InvalidRequestError(
             f"stop_token_ids must be a list of integers >= 0, got {type(ids).__name__}",
             param="stop_token_ids",
+        )
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", param="stop_token_ids"
         )
     for token_id in ids:
         if not _is_int(token_id) or token_id < 0:

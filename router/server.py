@@ -1,8 +1,10 @@
 """The ingress deployment: OpenAI-compatible HTTP API (FastAPI, served by the replica itself).
 
-    POST /v1/completions, /v1/chat/completions ─▶ parse + validate (400/404 before any pool) ─▶
-    tokenize (+ chat template), check the context length ─▶ admission (503 + Retry-After) ─▶
-    Orchestrator.run (decode reservation, prefill with the ticket, token deltas) ─▶ JSON or SSE
+    POST /v1/completions, /v1/chat/completions ─▶ key, tenant and room (401/429/503 before the
+    body is read) ─▶ parse + validate (400/404/413 before any pool) ─▶ a prompt's characters against
+    the context (400 before tokenizing) ─▶ tokenize (+ chat template) on the tokenizer's own
+    thread, check the context length, clip max_tokens to it ─▶ Orchestrator.run (decode
+    reservation, prefill with the ticket, token deltas) ─▶ JSON or SSE
 
 The replica listens on host:port itself (router.http_listener), not behind Serve's HTTP proxy:
 every streamed token would cross one more process. Every response carries ``X-Request-Id`` (the
@@ -12,10 +14,12 @@ disconnects mid-stream cancels the request on both pools.
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -131,6 +135,36 @@ def _rate_limited(exc: RateLimited) -> ApiError:
     return ApiError(429, str(exc), type=exc.limit, code="rate_limit_exceeded", headers=headers)
 
 
+def _context_length_exceeded(max_model_len: int, what: str, param: str = "prompt") -> InvalidRequestError:
+    return InvalidRequestError(
+        f"This model's maximum context length is {max_model_len} tokens; the prompt has {what} (the prompt "
+        "and at least one generated token must fit); shorten it.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def _check_prompt_chars(parsed: ParsedRequest, max_model_len: int, max_token_chars: int) -> None:
+    """Before tokenizing: a prompt whose characters could not fit in the context even if every
+    token were the vocabulary's longest is refused without spending the tokenizer's time on it."""
+    if parsed.kind == "chat":
+        assert parsed.messages is not None
+        chars = sum(len(message.get("content") or "") for message in parsed.messages)
+        where, param = "characters in its messages", "messages"
+    elif isinstance(parsed.prompt, str):
+        chars, where, param = len(parsed.prompt), "characters", "prompt"
+    else:
+        return
+    if chars > max_model_len * max_token_chars:
+        what = f"{chars} {where}: more tokens than that, as no token is over {max_token_chars} characters"
+        raise _context_length_exceeded(max_model_len, what, param)
+
+
+def _check_length(prompt_ids: list[int], max_model_len: int) -> None:
+    if len(prompt_ids) >= max_model_len:
+        raise _context_length_exceeded(max_model_len, f"{len(prompt_ids)} tokens")
+
+
 def _refusal(exc: Exception) -> ApiError:
     """A request refused before it reached a pool, as the client sees it."""
     if isinstance(exc, Unauthorized):
@@ -229,6 +263,12 @@ class RouterServer:
         self.served_model = served_model
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vocab_size = len(self.tokenizer)
+        # No token is longer than this many characters (a vocabulary entry's raw form is at least as
+        # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
+        self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
+        # One thread: tokenizing stays off the event loop, and a fast tokenizer is never entered
+        # from two threads at once (its Rust state is borrowed mutably per call).
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
         from router.routing_state import latest_reports, placement
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
@@ -247,6 +287,7 @@ class RouterServer:
         self.tenant_gate = TenantGate()
         self.max_body_bytes = max_body_bytes
         self.num_in_flight = 0
+        self.num_admitting = 0  # requests between the room check and their start (body, tokenizer)
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
         self.created = int(time.time())
@@ -287,6 +328,9 @@ class RouterServer:
         listener = getattr(self, "listener", None)  # None: the constructor failed before it
         if listener is not None:
             await listener.stop()
+        tokenizer_thread = getattr(self, "_tokenizer_thread", None)
+        if tokenizer_thread is not None:
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- plain endpoints -------------------------------------------------------------------
     async def models(self, request: Request) -> Any:
@@ -347,20 +391,28 @@ class RouterServer:
         internal_id, request_id = _request_ids(request)
         started = time.monotonic()
         admission = None
+        admitting = False
         try:
-            # Who and how much before any work: the key, then the tenant's concurrency and rate.
+            # Who and how much before any work: the key, then room (those still being read and
+            # tokenized count: the body is held whole), then the tenant's concurrency and rate.
             tenant = self.keyring.tenant(request.headers.get("authorization"))
-            if self.num_in_flight >= self.max_concurrent_requests:  # before the body too: it is held whole
-                raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
+            if self.num_in_flight + self.num_admitting >= self.max_concurrent_requests:
+                in_flight = self.num_in_flight + self.num_admitting
+                raise OverloadedError(f"{in_flight} requests in flight (max_concurrent_requests); retry later")
+            self.num_admitting += 1
+            admitting = True
             admission = self.tenant_gate.admit(tenant) if tenant is not None else None
             body = protocol.decode_body(await _read_body(request, self.max_body_bytes))
             parsed: ParsedRequest = parse(body, self.served_model)
-            prompt_ids, prompt_text = self._tokenize(parsed)
-            await self._check_length(prompt_ids)
-            if self.num_in_flight >= self.max_concurrent_requests:
-                raise OverloadedError(f"{self.num_in_flight} requests in flight (max_concurrent_requests); retry later")
+            max_model_len = await self._max_model_len()
+            _check_prompt_chars(parsed, max_model_len, self.max_token_chars)
+            prompt_ids, prompt_text = await self._tokenize_off_loop(parsed)
+            _check_length(prompt_ids, max_model_len)
+            # As OpenAI does: no more tokens than the context has room for after the prompt.
+            max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
+            parsed = dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
             if admission is not None:
-                self.tenant_gate.charge_tokens(admission, len(prompt_ids) + parsed.sampling.max_tokens)
+                self.tenant_gate.charge_tokens(admission, len(prompt_ids) + max_tokens)
         except BaseException as exc:
             if admission is not None:  # refused or cancelled before any pool work: nothing was used
                 self.tenant_gate.release(admission, 0)
@@ -370,6 +422,9 @@ class RouterServer:
             self.metrics.request_failed(error.status)
             logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
             return _error_response(error)
+        finally:
+            if admitting:
+                self.num_admitting -= 1
         logger.info(
             "request %s (%s): %d prompt tokens, stream=%s", request_id, internal_id, len(prompt_ids), parsed.stream
         )
@@ -489,7 +544,13 @@ class RouterServer:
             raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", param="prompt")
         return ids, None
 
-    async def _check_length(self, prompt_ids: list[int]) -> None:
+    async def _tokenize_off_loop(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
+        if parsed.kind == "completion" and not isinstance(parsed.prompt, str):
+            return self._tokenize(parsed)  # token ids: only their range is checked
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize, parsed)
+
+    async def _max_model_len(self) -> int:
+        """The pools' context length (the smaller), asked once."""
         if self.max_model_len is None:
             reports = [self.decode] + ([self.prefill] if self.prefill is not None else [])
             lengths = []
@@ -497,13 +558,7 @@ class RouterServer:
                 report = await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
                 lengths.append(report["max_model_len"])
             self.max_model_len = min(lengths)
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)} tokens (the prompt and at least one generated token must fit); shorten it.",
-                param="prompt",
-                code="context_length_exceeded",
-            )
+        return self.max_model_len
 
     def _detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -2,8 +2,8 @@
 
 Greedy output of the disaggregated cluster (prefill TP=3, decode TP=1, each KV transport) and of
 the colocated one equals transformers' greedy output in float32, streamed and not; errors come
-back in OpenAI's format with the right status; nothing leaks KV blocks — after errors, client
-disconnects, scaling and a decode replica killed mid-stream.
+back in OpenAI's format with the right status, fuzzed requests included; nothing leaks KV blocks —
+after errors, fuzzing, client disconnects, scaling and a decode replica killed mid-stream.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from router.prefix_index import ROUTED_MEMORY_S
 from tests.cluster.serving import MODEL, LocalCluster, post
 from tests.conftest import PROMPTS, long_text
+from tests.fuzz_requests import post_and_check, requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 MAX_TOKENS = 12
@@ -336,6 +338,20 @@ def test_errors_come_back_in_openai_format_and_leak_nothing(cluster):
     assert client(cluster).completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
 
 
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(request=requests(MODEL))
+def test_fuzzed_requests_get_no_5xx_on_a_real_cluster(cluster, request):
+    cluster.ensure(**DISAGG, transport="shm")  # the deployment of the test above: no redeploy
+    path, body = request
+    post_and_check(cluster.url + path, body, timeout_s=120)
+
+
+def test_after_the_fuzzing_no_block_is_held_and_answers_are_unchanged(cluster, expected):
+    cluster.ensure(**DISAGG, transport="shm")
+    cluster.wait_idle()  # nothing running, waiting or reserved, no block held, on every replica
+    assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
+
+
 def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
     cluster.ensure(**DISAGG, transport="shm")
     connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
@@ -427,12 +443,14 @@ def test_stream_interval_sends_the_first_token_alone_then_n_at_a_time_with_the_s
 
 
 # --- conditional disaggregation ---------------------------------------------------------------
-# A 10 ms stall bound: any prompt of more than a few tokens stays off a running batch.
+# A 10 ms stall bound: beside a running batch a prompt goes in chunks of 32 tokens (the floor),
+# each costing the batch's step on top, so a long one is far sooner on an idle prefill pool.
 CONDITIONAL = {
     "mode": "disagg",
     "transport": "shm",
     "router.conditional_disaggregation": True,
     "router.local_prefill_max_stall_s": 0.01,
+    "kv_cache_memory": 96 * 2**20,  # the long prompt beside the running stream
     "tracing": f"file:{TRACE_FILE}",
 }
 
@@ -470,15 +488,15 @@ def test_conditional_disaggregation_prefills_on_an_idle_decode_replica_and_keeps
     for prompt in PROMPTS[1:3]:
         assert complete(client(cluster), prompt, stream=True) == expected(prompt)
     assert prompts_by_site(cluster) == {"local": 3, "remote": 1}
-    # Busy: a long prompt would hold up the running stream for far more than 10 ms, so the prefill
-    # pool computes it while the stream goes on.
+    # Busy: a long prompt (1,354 tokens: 43 chunks, each with a decode step of the running stream)
+    # is sooner on the idle prefill pool, which computes it while the stream goes on.
     connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
     connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     busy = connection.getresponse()
     try:
         assert busy.status == 200 and busy.readline().startswith(b"data: {")
-        long_prompt = "Long: " + long_text(2)
+        long_prompt = "Long: " + long_text(16)
         assert complete(client(cluster), long_prompt, stream=False, max_tokens=4) == expected(long_prompt, 4)
     finally:
         connection.close()

@@ -1,0 +1,127 @@
+"""Limits before work, through the router's real HTTP server (scripted pool handles, no Ray): a prompt
+too long by its characters is refused before tokenizing, tokenizing runs off the event loop and
+counts against admission, max_tokens is clipped to the context, and stop lists are bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from common.serving import ServeRequest
+from router.server import RouterServer
+from tests.router.test_auth import Pool, call
+from tests.router.test_orchestrator import FakeResponse
+
+CONTEXT = 8  # the pool's max_model_len: prompts of 3 tokens leave room for 5
+
+
+class SmallPool(Pool):
+    def remote(self, request: ServeRequest | None = None):
+        if request is None:  # report.remote()
+            return FakeResponse({"max_model_len": CONTEXT})
+        return super().remote(request)
+
+
+@pytest.fixture
+def serve(smol_dir):
+    """Runs ``scenario(server, request)`` against a RouterServer on a free port; ``request(path,
+    body)`` posts from a thread, so the server's loop stays free to answer."""
+
+    def run(scenario, **kwargs) -> SmallPool:
+        pool = SmallPool()
+
+        async def main() -> None:
+            server = RouterServer(pool, None, "smol", str(smol_dir), mode="colocated", port=0, **kwargs)
+
+            async def request(path: str, body: dict | None = None):
+                return await asyncio.to_thread(call, server.listener.port, path, None, body)
+
+            try:
+                await scenario(server, request)
+            finally:
+                await server.__del__()
+
+        asyncio.run(main())
+        return pool
+
+    return run
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_without_tokenizing(serve):
+    async def scenario(server, request):
+        tokenized = []
+        tokenize = server._tokenize
+        server._tokenize = lambda parsed: tokenized.append(parsed) or tokenize(parsed)
+        limit = CONTEXT * server.max_token_chars
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": "a" * (limit + 1)})
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded"
+        assert error["error"]["param"] == "prompt" and f"{limit + 1} characters" in error["error"]["message"]
+        chat = {"model": "smol", "messages": [{"role": "user", "content": "b" * (limit // 2 + 1)}] * 2}
+        status, _, error = await request("/v1/chat/completions", chat)
+        assert status == 400 and error["error"]["param"] == "messages"
+        assert tokenized == []
+        # At the bound it is tokenized, and refused by its token count instead.
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": "a" * limit})
+        assert status == 400 and "tokens" in error["error"]["message"] and len(tokenized) == 1
+
+    pool = serve(scenario)
+    assert pool.sent == []
+
+
+def test_max_tokens_is_clipped_to_the_room_the_context_leaves(serve):
+    async def scenario(server, request):
+        body = {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 10**6}
+        status, _, answer = await request("/v1/completions", body)
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == CONTEXT - 3
+
+    pool = serve(scenario)
+    assert [r.sampling["max_tokens"] for r in pool.sent] == [CONTEXT - 3]
+
+
+def test_tokenizing_runs_off_the_event_loop_and_counts_against_admission(serve):
+    async def scenario(server, request):
+        entered, release = threading.Event(), threading.Event()
+        threads = []
+        tokenize = server._tokenize
+
+        def held_tokenize(parsed):
+            threads.append(threading.current_thread().name)
+            entered.set()
+            assert release.wait(30)
+            return tokenize(parsed)
+
+        server._tokenize = held_tokenize
+        body = {"model": "smol", "prompt": "one two three", "max_tokens": 2}  # 3 tokens, as the fake pool wants
+        held = asyncio.ensure_future(request("/v1/completions", body))
+        assert await asyncio.to_thread(entered.wait, 30)
+        # The loop answers while the tokenizer is busy, and the request being tokenized holds the
+        # only place (max_concurrent_requests=1): a second one is a 503 at once.
+        assert (await request("/v1/models"))[0] == 200
+        status, headers, error = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3]})
+        assert status == 503 and error["error"]["type"] == "service_unavailable" and "retry-after" in headers
+        release.set()
+        status, _, answer = await held
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+        assert threads == ["pdserve-tokenize_0"]
+        assert server.num_admitting == 0 and server.num_in_flight == 0
+
+    serve(scenario, max_concurrent_requests=1)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("stop", ["x"] * 17, "at most 16 stop strings"),
+        ("stop", "y" * 257, "at most 256 characters"),
+        ("stop_token_ids", list(range(300)), "at most 256 stop_token_ids"),
+    ],
+)
+def test_stop_lists_and_stop_strings_are_bounded(serve, field, value, message):
+    async def scenario(server, request):
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], field: value})
+        assert status == 400 and error["error"]["param"] == field and message in error["error"]["message"]
+
+    assert serve(scenario).sent == []
