@@ -133,6 +133,11 @@ class ClusterConfig:
     kv_cache_memory: float | int | None = None
     enable_prefix_caching: bool = True
     transport: str = "shm"  # KV transport between pools
+    # Where decode replicas' KV endpoints (tcp, grpc, torch) listen, and the address tickets name
+    # for them (default: kv_host). Across hosts: kv_host 0.0.0.0 (or the host's own address) and
+    # kv_advertise_host the address prefill replicas reach it at. shm ignores both (one host only).
+    kv_host: str = "127.0.0.1"
+    kv_advertise_host: str | None = None
     # Off by default: a CRC-32 of every layer on both sides (~4 GB/s here) plus a gather each costs
     # several times the transfer itself (~30 ms more for a 1k-token SmolLM2 prompt). Tests turn it on.
     kv_checksums: bool = False
@@ -174,6 +179,13 @@ class ClusterConfig:
             raise ConfigError(f"port={self.port} must be in 0..65535 (0 picks a free port)")
         if not self.host:
             raise ConfigError("host='' is empty; use e.g. '127.0.0.1' or '0.0.0.0'")
+        if not self.kv_host or self.kv_advertise_host == "":
+            raise ConfigError("kv_host and kv_advertise_host must not be empty")
+        if self.kv_host in ("0.0.0.0", "::") and self.kv_advertise_host is None:
+            raise ConfigError(
+                f"kv_host={self.kv_host!r} listens on every interface, which no peer can dial: "
+                "set kv_advertise_host to the address prefill replicas reach this host at"
+            )
         if self.api_keys_file is not None:  # every process of the cluster reads it from its own cwd
             object.__setattr__(self, "api_keys_file", str(Path(self.api_keys_file).resolve()))
         if self.served_model_name == "":
@@ -215,7 +227,13 @@ class ClusterConfig:
         spec = self.pool(pool)
         connector = KVConnectorConfig()
         if self.mode == "disagg":
-            options = {"backend": self.transport, "receive": pool == "decode", "with_checksums": self.kv_checksums}
+            options = {
+                "backend": self.transport,
+                "receive": pool == "decode",
+                "with_checksums": self.kv_checksums,
+                "host": self.kv_host,
+                "advertise_host": self.kv_advertise_host,
+            }
             connector = KVConnectorConfig(KV_CONNECTOR, options)
         return EngineConfig(
             model=self._model_config(),

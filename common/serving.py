@@ -143,6 +143,7 @@ class ReplicaReport:
     num_preemptions: int = 0
     num_handoff: int = 0  # prefill: requests whose KV is on the wire (tickets outstanding)
     num_kv_lease_expirations: int = 0
+    num_prefills_expired: int = 0  # prefill: prompts dropped uncomputed, their KV lease run out
     num_kv_transfer_failures: int = 0
 
     @property

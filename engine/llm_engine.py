@@ -10,6 +10,7 @@ InvalidRequestError from ``add_request`` before touching the KV cache.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class LLMEngine:
         self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
         self.transfers_sent: dict[str, SentKV] = {}  # prefill role: ended hand-offs, until their caller takes them
         self.num_kv_lease_expirations = 0
+        self.num_prefills_expired = 0  # prefill role: prompts dropped uncomputed, their lease run out
         self.prefill_tokens_per_s = 0.0  # measured, see _record_prefill_steps; 0 until a prefill ran
         self.decode_step_s = 0.0  # a step with no prompt tokens (moving average); 0 until one ran
         self.num_kv_transfer_failures = 0
@@ -228,6 +230,8 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         results: list[RequestOutput] = []
+        if self.handoff is not None and self.handoff.tickets:
+            self._drop_expired_prefills()
         scheduled = self.scheduler.schedule(self._prompt_token_cap())
         self.num_preemptions += len(scheduled.preempted_request_ids)
         meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
@@ -268,6 +272,19 @@ class LLMEngine:
             self._apply_handoff(reports)
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
+
+    def _drop_expired_prefills(self) -> None:
+        """Prefill role: a prompt whose ticket's lease has run out would be computed for nobody (the
+        decode replica freed its reservation), so it ends now with that error, before another chunk
+        of it is computed, and the router retries it under a fresh ticket or gives up. Only prompts
+        whose KV has not started to leave hold a ticket here."""
+        assert self.handoff is not None
+        now = time.time()  # a lease is wall-clock time: the decode replica's host set it
+        expired = [rid for rid, ticket in self.handoff.tickets.items() if now >= ticket.get("lease_deadline", math.inf)]
+        for request_id in expired:
+            self.num_prefills_expired += 1
+            logger.warning("%s: its KV lease ran out before its prompt was computed; dropped", request_id)
+            self.abort_request(request_id, error="the KV lease expired before the prompt was computed")
 
     def _prompt_token_cap(self) -> int | None:
         """How many prompt tokens a step beside decodes may compute (SchedulerConfig.max_decode_stall_s)."""

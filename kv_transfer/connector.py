@@ -23,7 +23,7 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferState
 from kv_transfer.ticket import KVTicket, TicketError
-from kv_transfer.transport import get_transport
+from kv_transfer.transport import advertised, get_transport
 
 
 class TransferConnector:
@@ -36,6 +36,7 @@ class TransferConnector:
         backend: str = "shm",
         receive: bool = False,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         with_checksums: bool = True,
         max_queue: int = 1024,  # items are (request, layer) references, not copies
     ) -> None:
@@ -45,7 +46,8 @@ class TransferConnector:
         self.endpoint: str | None = None
         if receive:
             self.receiver = KVReceiver(kv_caches, layout, backend)
-            self.endpoint = self.transport.serve(self.receiver, host)
+            # Bound on ``host``; named in tickets as ``advertise_host`` (default: ``host``).
+            self.endpoint = advertised(self.transport.serve(self.receiver, host), advertise_host)
         self._step_sends: list[str] = []
         self._open_sends: dict[str, str | None] = {}  # request id -> refusal reason at start, if any
         self._open_receives: set[str] = set()

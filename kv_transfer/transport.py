@@ -143,3 +143,18 @@ def get_transport(name: str, **options) -> KVTransport:
         raise ValueError(f"unknown KV transfer backend {name!r}; available: {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(**options)
+
+
+_DIALED_BY_HOST = ("tcp", "grpc", "torch")  # the backends whose endpoints are host:port
+
+
+def advertised(endpoint: str, host: str | None) -> str:
+    """``endpoint`` as peers on other hosts dial it: its port on ``host`` (the address the receiver
+    is reachable at, when it binds every interface or sits behind NAT). Endpoints without a host
+    (``shm``, ``inproc``) and ``host=None`` leave it as it is."""
+    scheme, _, rest = endpoint.partition("://")
+    if host is None or scheme not in _DIALED_BY_HOST:
+        return endpoint
+    _, _, port = rest.rpartition(":")
+    address = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{address}:{port}"

@@ -288,7 +288,7 @@ class Orchestrator:
                 if prefill_task is not None and num_yielded == 0 and delta.error is not None:
                     # Decode failed before any token: prefill's verdict says why, if it has one
                     # (an overloaded prefill pool is a 503, not a failed hand-off).
-                    await asyncio.wait({prefill_task}, timeout=_PREFILL_FACTS_WAIT_S)
+                    await asyncio.wait({prefill_task}, timeout=_facts_wait_s(deadline))
                     task, prefill_task = prefill_task, None
                     if task.done():
                         _check_prefill(task, request.request_id)
@@ -300,7 +300,7 @@ class Orchestrator:
                 wants_facts_now = num_yielded == 0 and wants_logprobs  # the first token's logprob
                 if prefill_task is not None and (prefill_task.done() or wants_facts_now or delta.finish_reason):
                     # Decode sent a token, so the KV has landed: the reply brings facts, not a verdict.
-                    prefilled = await _prefill_facts(prefill_task, request.request_id)
+                    prefilled = await _prefill_facts(prefill_task, request.request_id, deadline)
                     prefill_task = None
                     span.add_event("prefill_done")
                     if prefilled is not None:
@@ -369,11 +369,16 @@ def _check_prefill(task: asyncio.Task, request_id: str) -> PrefillResult:
     return result
 
 
-async def _prefill_facts(task: asyncio.Task, request_id: str) -> PrefillResult | None:
+def _facts_wait_s(deadline: float) -> float:
+    """How long to wait for prefill's reply once decode has answered: a moment, never past the request's deadline."""
+    return max(0.0, min(_PREFILL_FACTS_WAIT_S, deadline - time.monotonic()))
+
+
+async def _prefill_facts(task: asyncio.Task, request_id: str, deadline: float) -> PrefillResult | None:
     """Prefill's reply once decode already streams: at most a moment away (the replica answers when
     the hand-off it just finished is acknowledged). A failure or a late reply costs only its facts."""
     try:
-        result: PrefillResult = await asyncio.wait_for(asyncio.shield(task), _PREFILL_FACTS_WAIT_S)
+        result: PrefillResult = await asyncio.wait_for(asyncio.shield(task), _facts_wait_s(deadline))
     except Exception as exc:  # incl. TimeoutError: the usage then reports no cache hits
         logger.warning("request %s: prefill's reply lost after its KV landed: %r", request_id, exc)
         _discard(task)

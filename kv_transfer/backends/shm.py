@@ -51,6 +51,19 @@ from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 
 logger = logging.getLogger(__name__)
 
+
+def _host_id() -> str:
+    """This host's identity for shm endpoints: the kernel's boot id (two containers of one kernel
+    share it, and /dev/shm may not be shared between them: the connect then fails plainly), else
+    the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+HOST_ID = _host_id()
 _LEN = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused
 _MAX_REGIONS = 64  # regions one connection may map (a cache per shard, a staging buffer)
@@ -397,7 +410,7 @@ class SharedMemoryTransport(KVTransport):
         thread = threading.Thread(target=self._accept, args=(server, receiver), name="kv-shm-accept", daemon=True)
         thread.start()
         self._servers.append((server, path, thread))
-        return f"shm://{path}"
+        return f"shm://{path}?host={HOST_ID}"
 
     def _accept(self, server: socket.socket, receiver: KVReceiver) -> None:
         while not self._closed.is_set():
@@ -418,7 +431,13 @@ class SharedMemoryTransport(KVTransport):
     def connect(self, endpoint: str) -> KVChannel:
         if not endpoint.startswith("shm://"):
             raise ValueError(f"not a shared-memory endpoint: {endpoint}")
-        return _ShmChannel(endpoint.removeprefix("shm://"), self.staging_bytes)
+        path, _, host = endpoint.removeprefix("shm://").partition("?host=")
+        if host and host != HOST_ID:
+            raise ConnectionError(
+                f"the KV receiver {endpoint} is on another host ({host}; this one is {HOST_ID}): shm moves KV only "
+                "between processes of one host; use transport tcp, grpc or torch across hosts"
+            )
+        return _ShmChannel(path, self.staging_bytes)
 
     def shutdown(self) -> None:
         self._closed.set()

@@ -3,6 +3,8 @@ decode engine on another TP degree: decoded tokens equal transformers' greedy ou
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.config import (
@@ -15,6 +17,7 @@ from common.config import (
     SchedulerConfig,
 )
 from engine import SamplingParams
+from engine.async_engine import load_report
 from engine.llm_engine import LLMEngine
 from kv_transfer import make_ticket
 from tests.conftest import PROMPTS
@@ -153,7 +156,9 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
             0.0,
         ).to_dict()  # already expired
         decode.expect_kv("late", ticket)
-        prefill.add_request("late", ids, params, kv_ticket=ticket)
+        # Prefill sees time left (hosts' clocks differ: see the next test for a lease it sees run
+        # out), so it computes the prompt and the receiver, whose lease it is, refuses the KV.
+        prefill.add_request("late", ids, params, kv_ticket={**ticket, "lease_deadline": time.time() + 60})
         finished = drive(prefill, decode, max_steps=500)
         assert finished["late"].outputs[0].finish_reason == "error" and "lease" in finished["late"].error
         assert "lease" in prefill.transfer_failures["late"]
@@ -261,4 +266,43 @@ def test_a_busy_prefill_replica_sees_a_hand_off_end_before_its_next_long_step(sm
         assert a.ended_at < steps[1], (a.ended_at - steps[0], steps[1] - steps[0])
     finally:
         host.shutdown()
+        decode.shutdown()
+
+
+def test_a_prompt_whose_lease_ran_out_is_dropped_before_more_of_it_is_computed(smol_dir, hf_smol, hf_reference):
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4)
+        long_ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)  # ~100 tokens: chunks of 24
+
+        def hand_out(request_id: str, ids: list[int]) -> dict:
+            block_ids = decode.reserve(request_id, ids, params)
+            ticket = make_ticket(
+                request_id, "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
+            ).to_dict()
+            decode.expect_kv(request_id, ticket)
+            return ticket
+
+        # "waiting": its lease ran out while it queued (as if the prefill queue took a minute).
+        late = {**hand_out("waiting", long_ids), "lease_deadline": time.time() - 1}
+        prefill.add_request("waiting", long_ids, params, kv_ticket=late)
+        prefill.add_request("mid", long_ids[:90], params, kv_ticket=hand_out("mid", long_ids[:90]))
+        prefill.add_request("ok", long_ids[:40], params, kv_ticket=hand_out("ok", long_ids[:40]))
+        dropped = {o.request_id: o for o in prefill.step() if o.error}
+        assert set(dropped) == {"waiting"} and "lease expired" in dropped["waiting"].error
+        assert dropped["waiting"].metrics.prefill_chunks == []  # not one token of it computed
+        # "mid": its lease runs out after its first chunk; the next step drops it.
+        prefill.handoff.tickets["mid"]["lease_deadline"] = time.time() - 1
+        dropped = {o.request_id: o for o in prefill.step() if o.error}
+        assert set(dropped) == {"mid"} and len(dropped["mid"].metrics.prefill_chunks) == 1
+        assert prefill.num_prefills_expired == 2 and load_report(prefill)["num_prefills_expired"] == 2
+        for request_id in ("waiting", "mid"):  # the decode replica frees them when its own lease ends
+            decode.abort_request(request_id, error="lease expired before the KV arrived")
+        finished = drive(prefill, decode)
+        assert finished["ok"].outputs[0].token_ids == hf_reference(hf_smol, long_ids[:40], 4)
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        prefill.check_integrity()
+    finally:
+        prefill.shutdown()
         decode.shutdown()
