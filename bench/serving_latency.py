@@ -49,7 +49,9 @@ def _append(results: list[dict], port: int, prompt: str, max_tokens: int) -> Non
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
-    server = start_server(["--mode", mode, *args.serve_args])
+    # Disaggregated as DistServe measures it: every prompt's KV crosses (not the conditional default).
+    pure = ["--no-conditional-disaggregation"] if mode == "disagg" else []
+    server = start_server(["--mode", mode, *pure, *args.serve_args])
     port, startup = server.port, server.startup_s
     rows = []
     try:

@@ -134,8 +134,10 @@ class ClusterConfig:
     enable_prefix_caching: bool = True
     transport: str = "shm"  # KV transport between pools
     # Where decode replicas' KV endpoints (tcp, grpc, torch) listen, and the address tickets name
-    # for them (default: kv_host). Across hosts: kv_host 0.0.0.0 (or the host's own address) and
-    # kv_advertise_host the address prefill replicas reach it at. shm ignores both (one host only).
+    # for them (default: kv_host). Across hosts with tcp or grpc: kv_host 0.0.0.0 and
+    # kv_advertise_host the address prefill replicas reach it at; torch binds the address senders
+    # dial (its gloo/NCCL pairs use it too): kv_host the host's own address, nothing advertised.
+    # shm ignores both (one host only).
     kv_host: str = "127.0.0.1"
     kv_advertise_host: str | None = None
     # Off by default: a CRC-32 of every layer on both sides (~4 GB/s here) plus a gather each costs
@@ -181,6 +183,14 @@ class ClusterConfig:
             raise ConfigError("host='' is empty; use e.g. '127.0.0.1' or '0.0.0.0'")
         if not self.kv_host or self.kv_advertise_host == "":
             raise ConfigError("kv_host and kv_advertise_host must not be empty")
+        if self.transport == "torch" and (
+            self.kv_host in ("0.0.0.0", "::") or self.kv_advertise_host not in (None, self.kv_host)
+        ):
+            raise ConfigError(
+                f"transport=torch binds the address senders dial (kv_host={self.kv_host!r}, "
+                f"kv_advertise_host={self.kv_advertise_host!r}): set kv_host to this host's own address "
+                "and leave kv_advertise_host unset"
+            )
         if self.kv_host in ("0.0.0.0", "::") and self.kv_advertise_host is None:
             raise ConfigError(
                 f"kv_host={self.kv_host!r} listens on every interface, which no peer can dial: "

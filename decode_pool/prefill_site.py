@@ -41,8 +41,9 @@ class LocalState:
     num_cached_tokens: int  # of this prompt, in this replica's prefix cache
     num_queued_tokens: int  # prompt tokens this replica still has to compute (preempted, other local prefills)
     tokens_per_s: float  # this replica's measured prefill rate; 0: not measured yet
-    num_running: int  # requests in its decode batch
+    num_running: int  # requests in its decode batch (decode role: KV received ones included)
     decode_step_s: float = 0.0  # its measured step time with no prompt tokens; 0: not measured yet
+    chunk_tokens: int = 0  # the prompt tokens its steps beside decodes take (the engine's cap); 0: from the rate
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def choose_prefill_site(
     # The prompts queued here go first: a burst of short prompts is costed by its sum.
     to_compute = local.num_queued_tokens + max(1, num_prompt_tokens - local.num_cached_tokens)
     local_s = to_compute / rate
-    chunk = max(MIN_STALL_CHUNK_TOKENS, int(rate * max_stall_s))
+    chunk = local.chunk_tokens or max(MIN_STALL_CHUNK_TOKENS, int(rate * max_stall_s))
     if local.num_running:
         local_s += math.ceil(to_compute / chunk) * local.decode_step_s
     remote_s = remote.seconds(num_prompt_tokens)

@@ -191,8 +191,9 @@ class DecodeServer(EngineReplica):
             num_cached_tokens=engine.cached_prefix_tokens(prompt, request.cache_salt),
             num_queued_tokens=engine.scheduler.num_prefill_tokens_queued(),
             tokens_per_s=engine.prefill_tokens_per_s,
-            num_running=len(engine.scheduler.running),
+            num_running=engine.scheduler.num_decoding(),
             decode_step_s=engine.decode_step_s,
+            chunk_tokens=engine.prompt_token_cap() or 0,
         )
         return choose_prefill_site(len(prompt), request.remote_prefill, local, stall_s)
 

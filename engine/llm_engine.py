@@ -232,7 +232,7 @@ class LLMEngine:
         results: list[RequestOutput] = []
         if self.handoff is not None and self.handoff.tickets:
             self._drop_expired_prefills()
-        scheduled = self.scheduler.schedule(self._prompt_token_cap())
+        scheduled = self.scheduler.schedule(self.prompt_token_cap())
         self.num_preemptions += len(scheduled.preempted_request_ids)
         meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
@@ -286,7 +286,7 @@ class LLMEngine:
             logger.warning("%s: its KV lease ran out before its prompt was computed; dropped", request_id)
             self.abort_request(request_id, error="the KV lease expired before the prompt was computed")
 
-    def _prompt_token_cap(self) -> int | None:
+    def prompt_token_cap(self) -> int | None:
         """How many prompt tokens a step beside decodes may compute (SchedulerConfig.max_decode_stall_s)."""
         stall_s = self.config.scheduler.max_decode_stall_s
         if stall_s is None:

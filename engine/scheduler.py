@@ -266,6 +266,13 @@ class Scheduler:
             not _in_prompt(r) for r in self.waiting if r.num_computed_tokens
         )
 
+    def num_decoding(self) -> int:
+        """Requests past their prompt, running or (decode role: KV received) waiting to be: the
+        batch a prompt computed here in capped chunks would run beside."""
+        return sum(not _in_prompt(r) for r in self.running) + sum(
+            not _in_prompt(r) for r in self.waiting if r.num_computed_tokens
+        )
+
     def _chunk_limit(self, request: Request, num_hit_tokens: int = 0) -> int:
         in_prompt = request.num_computed_tokens + num_hit_tokens < request.num_tokens - 1
         return self.config.prefill_chunk if in_prompt else 1 << 30

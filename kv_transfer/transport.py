@@ -156,5 +156,6 @@ def advertised(endpoint: str, host: str | None) -> str:
     if host is None or scheme not in _DIALED_BY_HOST:
         return endpoint
     _, _, port = rest.rpartition(":")
+    host = host.strip("[]")
     address = f"[{host}]" if ":" in host else host
     return f"{scheme}://{address}:{port}"

@@ -266,8 +266,8 @@ class RouterServer:
         # No token is longer than this many characters (a vocabulary entry's raw form is at least as
         # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
         self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
-        # One thread: tokenizing stays off the event loop, and a fast tokenizer is never entered
-        # from two threads at once (its Rust state is borrowed mutably per call).
+        # One thread: tokenizing (long for a long prompt) stays off the event loop, and no two
+        # encodes run at once in one fast tokenizer (each borrows its Rust state mutably).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
         from router.routing_state import latest_reports, placement
 
@@ -547,7 +547,18 @@ class RouterServer:
     async def _tokenize_off_loop(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
         if parsed.kind == "completion" and not isinstance(parsed.prompt, str):
             return self._tokenize(parsed)  # token ids: only their range is checked
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize, parsed)
+        job = self._tokenizer_thread.submit(self._tokenize, parsed)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if not job.done():  # the client left mid-tokenizing: the work goes on, and keeps its place
+                self.num_admitting += 1
+                loop = asyncio.get_running_loop()
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._tokenized_for_nobody))
+            raise
+
+    def _tokenized_for_nobody(self) -> None:
+        self.num_admitting -= 1
 
     async def _max_model_len(self) -> int:
         """The pools' context length (the smaller), asked once."""

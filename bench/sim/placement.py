@@ -78,7 +78,10 @@ class PlacementResult:
         prefill |= {"max_num_batched_tokens": spec.max_batch_tokens}
         decode = {"replicas": spec.decode_replicas, "tensor_parallel_size": spec.decode_tp}
         decode |= {"max_num_seqs": spec.max_decode_batch}
-        return {"mode": "disagg", "prefill": prefill | chunk, "decode": decode}
+        # What the simulator modelled: every prompt on the prefill pool (pdserve serve's default
+        # lets decode replicas compute some themselves).
+        router = {"conditional_disaggregation": False}
+        return {"mode": "disagg", "prefill": prefill | chunk, "decode": decode, "router": router}
 
     def to_yaml(self) -> str:
         header = (

@@ -53,7 +53,8 @@ def test_search_returns_a_valid_config_within_the_budget():
     config = result.to_cluster_config()
     mode = config["mode"]
     pools = ["prefill", "decode"] if mode == "disagg" else ["colocated"]
-    assert set(config) == {"mode", *pools}
+    # Disaggregated as simulated: every prompt on the prefill pool (not pdserve serve's default).
+    assert set(config) == {"mode", *pools} | ({"router"} if mode == "disagg" else set())
     gpus = sum(config[p]["replicas"] * config[p]["tensor_parallel_size"] for p in pools)
     assert gpus == result.best.num_gpus <= 4
     assert yaml.safe_load(result.to_yaml()) == config
@@ -69,6 +70,7 @@ def test_every_candidate_becomes_a_config_pdserve_accepts():
         config = type(result)(best, result.table, result.instances, result.slo, 4).to_cluster_config()
         parsed = ClusterConfig.from_dict(config)
         assert parsed.mode == mode
+        assert parsed.router.conditional_disaggregation is (mode == "colocated")  # unused there
         assert sum(parsed.pool(p).replicas * parsed.pool(p).tensor_parallel_size for p in parsed.pools()) <= 4
 
 

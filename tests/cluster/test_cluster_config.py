@@ -187,13 +187,15 @@ def test_engine_config_disagg():
     assert (prefill.cache.block_size, prefill.cache.kv_cache_memory) == (32, 0.5)
     assert prefill.cache.enable_prefix_caching is False
     assert prefill.kv_connector.factory == "kv_transfer.connector:TransferConnector"
-    assert prefill.kv_connector.options == {"backend": "grpc", "receive": False, "with_checksums": False}
+    hosts = {"host": "127.0.0.1", "advertise_host": None}
+    assert prefill.kv_connector.options == {"backend": "grpc", "receive": False, "with_checksums": False, **hosts}
 
     decode = config.engine_config("decode")
     assert decode.scheduler.role is EngineRole.DECODE
     assert decode.parallel.tensor_parallel_size == 1
     assert decode.scheduler.max_num_seqs == 16
-    assert decode.kv_connector.options == {"backend": "grpc", "receive": True, "with_checksums": False}
+    assert decode.kv_connector.options == {"backend": "grpc", "receive": True, "with_checksums": False, **hosts}
+    assert decode.scheduler.max_decode_stall_s is None  # set by cluster.app when conditional disaggregation is on
 
     with pytest.raises(ConfigError, match=r"pool 'colocated' is not part of mode='disagg'"):
         config.engine_config("colocated")

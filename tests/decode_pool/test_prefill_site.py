@@ -80,3 +80,13 @@ def test_a_burst_of_short_prompts_is_costed_by_their_sum_not_each_alone():
     site = choose_prefill_site(50, remote(queued=100, overhead_s=0.0), queued, max_stall_s=0.1)
     assert site.local_s == pytest.approx(0.14 + 0.06) and not site.local  # remote: 0.15 s
     assert choose_prefill_site(50, remote(queued=200, overhead_s=0.0), queued, max_stall_s=0.1).local  # 0.25 s
+
+
+def test_the_engine_s_own_chunk_is_what_the_estimate_counts():
+    # Not measured here yet: the engine takes the 32-token floor, however fast the prefill pool is.
+    unmeasured = LocalState(0, 0, tokens_per_s=0.0, num_running=2, decode_step_s=0.03, chunk_tokens=32)
+    site = choose_prefill_site(2000, remote(queued=4000, rate=20_000.0), unmeasured, max_stall_s=0.05)
+    assert site.local_s == pytest.approx(0.1 + 63 * 0.03) and not site.local and "chunks of 32" in site.reason
+    # From the rate alone the chunks would be 1,000 tokens: two decode steps, and local.
+    guessed = LocalState(0, 0, tokens_per_s=0.0, num_running=2, decode_step_s=0.03)
+    assert choose_prefill_site(2000, remote(queued=4000, rate=20_000.0), guessed, max_stall_s=0.05).local

@@ -254,6 +254,7 @@ def test_a_decode_ready_request_is_admitted_past_a_prompt_held_back_by_the_cap()
     s.add_request(request("local", 40, max_tokens=1))  # computed here (conditional disaggregation)
     s.reserve(request("remote", 8, max_tokens=3))
     s.kv_ready("remote", first_token_id=5)  # queued behind the local prompt
+    assert s.num_decoding() == 1  # waiting, but past its prompt: a local prompt would run beside it
     out = run_capped(s, cap=8)
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("local", 8), ("remote", 1)]
     s.add_request(request("late", 12, max_tokens=1))

@@ -23,6 +23,7 @@ from tests.kv_transfer.harness import make_side
         ("tcp://127.0.0.1:5000", "10.0.0.7", "tcp://10.0.0.7:5000"),
         ("grpc://0.0.0.0:6000", "decode-0.example", "grpc://decode-0.example:6000"),
         ("torch://[::1]:7000", "fd00::7", "torch://[fd00::7]:7000"),
+        ("tcp://[::1]:7000", "[fd00::7]", "tcp://[fd00::7]:7000"),
         ("tcp://127.0.0.1:5000", None, "tcp://127.0.0.1:5000"),
         ("shm:///tmp/pdserve-kv-x/recv.sock?host=abc", "10.0.0.7", "shm:///tmp/pdserve-kv-x/recv.sock?host=abc"),
         ("inproc://3", "10.0.0.7", "inproc://3"),
@@ -72,3 +73,8 @@ def test_the_cluster_config_carries_the_kv_hosts_to_the_decode_connector():
     assert load_cluster_config().engine_config("decode").kv_connector.options["host"] == "127.0.0.1"
     with pytest.raises(ConfigError, match="kv_advertise_host"):
         load_cluster_config(None, {"kv_host": "0.0.0.0"})
+    # torch's pairs use the bound address itself: no wildcard, nothing else advertised.
+    for hosts in ({"kv_host": "0.0.0.0", "kv_advertise_host": "10.0.0.7"}, {"kv_advertise_host": "10.0.0.7"}):
+        with pytest.raises(ConfigError, match="transport=torch binds the address senders dial"):
+            load_cluster_config(None, {"transport": "torch", **hosts})
+    assert load_cluster_config(None, {"transport": "torch", "kv_host": "10.0.0.7"}).kv_host == "10.0.0.7"

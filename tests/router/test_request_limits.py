@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from common.serving import ServeRequest
+from router import protocol
 from router.server import RouterServer
 from tests.router.test_auth import Pool, call
 from tests.router.test_orchestrator import FakeResponse
@@ -125,3 +126,31 @@ def test_stop_lists_and_stop_strings_are_bounded(serve, field, value, message):
         assert status == 400 and error["error"]["param"] == field and message in error["error"]["message"]
 
     assert serve(scenario).sent == []
+
+
+def test_a_request_cancelled_mid_tokenizing_keeps_its_place_until_the_tokenizer_is_done(serve):
+    async def scenario(server, request):
+        entered, release = threading.Event(), threading.Event()
+        tokenize = server._tokenize
+
+        def held_tokenize(parsed):
+            entered.set()
+            assert release.wait(30)
+            return tokenize(parsed)
+
+        server._tokenize = held_tokenize
+        parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
+        task = asyncio.ensure_future(server._tokenize_off_loop(parsed))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert server.num_admitting == 1  # the tokenizer still works for it: no one else may start
+        release.set()
+        for _ in range(300):
+            if server.num_admitting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert server.num_admitting == 0
+
+    serve(scenario)
