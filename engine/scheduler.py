@@ -7,8 +7,8 @@ from the engine's ``max_decode_stall_s``): their tokens then wait for a short st
 whole prompt; a request held back by the cap keeps its place, and ones behind it that do not
 compute prompt tokens (decode role: KV received) are admitted past it. When blocks run out, the
 most recently admitted running request is preempted (its blocks freed, recomputed later from its
-tokens). Then waiting requests are admitted while budget, seats
-(``max_num_seqs``) and blocks last; admission first reuses prefix-cached blocks.
+tokens). Then waiting requests are admitted while budget, seats (``max_num_seqs``) and blocks
+last; admission first reuses prefix-cached blocks.
 
 Roles change admission, not the data model:
   colocated  a request runs until a stop condition.
