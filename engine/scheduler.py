@@ -109,7 +109,7 @@ class Scheduler:
         also runs decoding requests (None: no cap beyond the token budget)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        prompt_budget = budget if prompt_token_cap is None or not self._has_decodes() else max(1, prompt_token_cap)
+        prompt_budget = budget if prompt_token_cap is None or not self.num_decoding() else max(1, prompt_token_cap)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -260,12 +260,6 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # --- helpers ---------------------------------------------------------------------------
-    def _has_decodes(self) -> bool:
-        """Whether this step runs a request past its prompt (running, or decode role: KV received)."""
-        return any(not _in_prompt(r) for r in self.running) or any(
-            not _in_prompt(r) for r in self.waiting if r.num_computed_tokens
-        )
-
     def num_decoding(self) -> int:
         """Requests past their prompt, running or (decode role: KV received) waiting to be: the
         batch a prompt computed here in capped chunks would run beside."""
