@@ -82,7 +82,7 @@ class Configuration:
         return cls(name, settings)
 
     def serve_args(self, extra: list[str]) -> list[str]:
-        args = []
+        args = [] if "mode" in self.settings else ["--mode", "disagg"]  # what spec() models, not serve's auto
         for key, value in self.settings.items():
             args += [_FLAGS[key], value] if key in _FLAGS else ["--set", f"{_SET_KEYS[key]}={value}"]
         if self.settings.get("mode", "disagg") == "disagg" and "conditional_disaggregation" not in self.settings:

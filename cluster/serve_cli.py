@@ -52,7 +52,11 @@ FLAG_KEYS = {
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="cluster YAML (see cluster.example.yaml)")
-    parser.add_argument("--mode", choices=["disagg", "colocated"])
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "disagg", "colocated"],
+        help="auto (default): colocated on a CPU host of fewer than 4 cores, else disaggregated",
+    )
     parser.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")

@@ -304,3 +304,6 @@ def test_goodput_configurations_pass_router_options_through_set():
         "--mode", "disagg", "--prefill-cores", "1", "--no-conditional-disaggregation", "--port", "0"
     ]  # fmt: skip
     assert "--no-conditional-disaggregation" not in Configuration.parse("c:mode=colocated").serve_args([])
+    # Without a mode it is the disaggregated cluster spec() models, not what serve's auto picks here.
+    unnamed = Configuration.parse("u:conditional_disaggregation=true")
+    assert unnamed.serve_args([])[:2] == ["--mode", "disagg"] and unnamed.spec().mode == "disagg"

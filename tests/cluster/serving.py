@@ -18,6 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 # Disaggregated deployments here move every prompt's KV (the transports are what they test) unless
 # a test turns conditional disaggregation on itself.
 BASE = {
+    "mode": "disagg",
     "kv_cache_memory": 32 * 2**20,
     "dtype": "float32",
     "router.kv_lease_s": 30.0,

@@ -45,7 +45,18 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
         "PDSERVE_STATE_FILE": str(tmp_path / "state.json"),
         "PDSERVE_CORE_LOCK_DIR": str(tmp_path / "cores"),
     }
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--kv-cache-memory", str(32 * 2**20)]
+    command = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "serve",
+        "--mode",
+        "disagg",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        str(32 * 2**20),
+    ]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []

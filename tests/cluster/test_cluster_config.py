@@ -21,8 +21,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults():
     config = load_cluster_config()
     assert config == ClusterConfig()
-    assert config.mode == "disagg"
-    assert config.pools() == ["prefill", "decode"]
+    assert config.mode == "auto"  # decided at deploy (cluster.app.with_resolved_mode); disaggregated till then
+    assert config.disaggregated and config.pools() == ["prefill", "decode"]
     assert config.transport == "shm"
     assert config.port == 8000
     assert config.kv_cache_memory is None  # resolved from the host's free memory at deploy (cluster.app)
@@ -127,7 +127,7 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"mode": "split"}, r"mode='split' is not supported; use one of disagg, colocated"),
+        ({"mode": "split"}, r"mode='split' is not supported; use one of auto, disagg, colocated"),
         ({"transport": "inproc"}, r"transport='inproc' cannot cross processes"),
         ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of shm, grpc, torch, tcp"),
         ({"dtype": "float64"}, r"dtype='float64' is not supported"),
@@ -163,6 +163,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_engine_config_disagg():
     config = load_cluster_config(
         overrides={
+            "mode": "disagg",
             "model": "/models/tiny",
             "dtype": "float32",
             "device": "cpu",
@@ -195,7 +196,9 @@ def test_engine_config_disagg():
     assert decode.parallel.tensor_parallel_size == 1
     assert decode.scheduler.max_num_seqs == 16
     assert decode.kv_connector.options == {"backend": "grpc", "receive": True, "with_checksums": False, **hosts}
-    assert decode.scheduler.max_decode_stall_s is None  # set by cluster.app when conditional disaggregation is on
+    # Conditional disaggregation (on by default) chunks the prompts decode computes itself.
+    assert decode.scheduler.max_decode_stall_s == config.router.local_prefill_max_stall_s == 0.05
+    assert prefill.scheduler.max_decode_stall_s is None
 
     with pytest.raises(ConfigError, match=r"pool 'colocated' is not part of mode='disagg'"):
         config.engine_config("colocated")
@@ -345,3 +348,47 @@ def test_a_cluster_reachable_beyond_loopback_needs_api_keys(monkeypatch, tmp_pat
     monkeypatch.chdir(tmp_path)
     config = load_cluster_config(overrides={"host": "0.0.0.0", "api_keys_file": "keys.yaml"})
     assert config.api_keys_file == str(keys) and load_keyring(config).enabled  # made absolute
+
+
+@pytest.mark.parametrize(
+    ("overrides", "host", "expected"),
+    [
+        ({}, 2, "colocated"),  # split 1 + 1, each pool would have half the compute a prompt needs
+        ({}, 3, "colocated"),
+        ({}, 4, "disagg"),
+        ({}, 16, "disagg"),
+        ({"decode.replicas": 2}, 2, "disagg"),  # a disaggregated pool configured: the user's choice
+        ({"prefill.cores": 1}, 2, "disagg"),
+        ({"router.conditional_disaggregation": False}, 2, "disagg"),
+        ({"colocated.replicas": 2}, 16, "colocated"),
+        ({"mode": "disagg"}, 2, "disagg"),  # explicit modes are kept
+        ({"mode": "colocated"}, 16, "colocated"),
+        ({"device": "cuda"}, 2, "disagg"),  # GPUs are not split by core
+        ({"ray_address": "ray://head:10001"}, 2, "disagg"),  # this host says nothing of a remote one
+    ],
+)
+def test_auto_mode_runs_colocated_only_on_a_small_local_cpu_host(overrides, host, expected, caplog):
+    from cluster.app import with_resolved_mode
+
+    config = load_cluster_config(overrides={"device": "cpu", **overrides})
+    with caplog.at_level("INFO", logger="cluster.app"):
+        resolved = with_resolved_mode(config, host)
+    assert resolved.mode == expected
+    if config.mode == "auto":
+        assert f"mode: auto -> {expected}" in caplog.text
+
+
+def test_a_pools_decode_stall_reaches_its_engine():
+    colocated = load_cluster_config(overrides={"mode": "colocated", "colocated.max_decode_stall_s": 0.2})
+    assert colocated.engine_config("colocated").scheduler.max_decode_stall_s == 0.2
+    assert (
+        load_cluster_config(overrides={"mode": "colocated"}).engine_config("colocated").scheduler.max_decode_stall_s
+        is None
+    )
+    # decode's own key wins over the router's default; without conditional disaggregation it is the key alone
+    decode = load_cluster_config(overrides={"mode": "disagg", "decode.max_decode_stall_s": 0.3})
+    assert decode.engine_config("decode").scheduler.max_decode_stall_s == 0.3
+    pure = load_cluster_config(overrides={"mode": "disagg", "router.conditional_disaggregation": False})
+    assert pure.engine_config("decode").scheduler.max_decode_stall_s is None
+    with pytest.raises(ConfigError, match=r"max_decode_stall_s=-1(\.0)? must be >= 0"):
+        load_cluster_config(overrides={"colocated.max_decode_stall_s": -1.0})

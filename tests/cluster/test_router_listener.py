@@ -81,6 +81,16 @@ def test_clients_reach_the_router_replica_itself_not_a_proxy_in_front_of_it(serv
     assert "ServeReplica:pdserve:router" in _listener_process(server.port)
 
 
+def test_serve_without_a_mode_runs_what_auto_picks_for_this_host(server):
+    from cluster.app import with_resolved_mode
+    from cluster.cluster_config import load_cluster_config
+
+    expected = with_resolved_mode(load_cluster_config()).mode  # colocated on a host of 2-3 cores
+    assert get_json(f"http://127.0.0.1:{server.port}/health")["mode"] == expected
+    pools = get_json(f"http://127.0.0.1:{server.port}/pdserve/status")["pools"]
+    assert set(pools) == ({"colocated"} if expected == "colocated" else {"prefill", "decode"})
+
+
 def test_greedy_output_through_the_router_s_own_server_matches_transformers(server, smol_dir, hf_smol, hf_reference):
     from transformers import AutoTokenizer
 
