@@ -172,9 +172,17 @@ def test_metrics_count_a_disaggregated_request_its_kv_transfer_and_each_pool_s_r
     num_blocks = -(-num_prompt // config.block_size)
     assert grew("pdserve:kv_transfer_bytes_sum") == 30 * num_blocks * 2 * config.block_size * 3 * 64 * 4
     assert grew("pdserve:kv_transfer_seconds_count") == 1 and grew("pdserve:kv_transfer_exposed_seconds_count") == 1
-    # The replicas' own series, one per replica of each pool, read from their reports.
+    # The replicas' own series, one per replica of each pool, read from their reports. Those reach
+    # the router with Serve's routing stats (every second), so the first scrape may predate them.
+    queried_before = by_pool(before, "pdserve:prefix_cache_queries_total").get("prefill", 0.0)
+    deadline = time.monotonic() + 30
+    while by_pool(after, "pdserve:prefix_cache_queries_total").get("prefill", 0.0) <= queried_before:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        after = scrape(cluster)
     queried = by_pool(after, "pdserve:prefix_cache_queries_total")
-    assert set(queried) == {"prefill", "decode"} and queried["prefill"] > 0
+    assert set(queried) == {"prefill", "decode"} and queried["prefill"] > queried_before
     usage = by_pool(after, "pdserve:kv_cache_usage_perc")
     assert set(usage) == {"prefill", "decode"} and all(0 <= u <= 1 for u in usage.values())
     assert by_pool(after, "pdserve:kv_tickets_outstanding") == {"prefill": 0, "decode": 0}
