@@ -11,6 +11,12 @@ where it runs on this device. Two workloads:
          a static batch runs until its longest member is done, then keeps only what each asked for
 
 Throughput counts only the tokens each request asked for.
+
+Beside them, the job's **GEMM floor**: the seconds its matrix products alone take at this
+machine's GEMM rate through the engine's own product (bench.roofline's ceilings, measured right
+after pdserve's run): the prompts' tokens at M=2,048 (a prefill step's budget) and the decode
+tokens at M=batch. No engine on these weights finishes the job sooner, so the largest speed-up
+over transformers any engine could show here is transformers' time over the floor ("x floor").
 """
 
 from __future__ import annotations
@@ -36,15 +42,42 @@ def output_lengths(workload: str, num_prompts: int, output_len: int) -> list[int
     return [rng.randint(max(1, output_len // 8), output_len * 2) for _ in range(num_prompts)]
 
 
-def run_pdserve(model_dir, prompts, lengths, dtype, batch_size) -> float:
+def decode_attended_pairs(prompt_lens: list[int], lengths: list[int]) -> int:
+    """(query, key) pairs the decode steps attend. Prefill samples the first output token; each
+    of the other ``n - 1`` comes from a decode step whose query (the token before it, at position
+    ``p + i - 1`` for step i) attends to ``p + i`` keys: itself and everything before it."""
+    return sum(m * p + m * (m + 1) // 2 for p, m in ((p, n - 1) for p, n in zip(prompt_lens, lengths, strict=True)))
+
+
+def gemm_floor(engine, prompts: list[list[int]], lengths: list[int], batch_size: int) -> tuple[float, float]:
+    """(prefill, decode) seconds of the job's products at this machine's GEMM rates (attention's
+    products counted at the same rate: a floor, not an estimate)."""
+    from bench.roofline import Ceilings, model_flops
+
+    ceilings = Ceilings(engine)
+    prompt_lens = [len(p) for p in prompts]
+    prefill_pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
+    prefill_flops = model_flops(engine, sum(prompt_lens), len(prompts), prefill_pairs)
+    decode_tokens = sum(lengths) - len(prompts)
+    decode_flops = model_flops(engine, decode_tokens, decode_tokens, decode_attended_pairs(prompt_lens, lengths))
+    prefill_rows = engine.config.scheduler.max_num_batched_tokens
+    return (
+        prefill_flops / (ceilings.gemm_gflops(prefill_rows, budget_s=0.3) * 1e9),
+        decode_flops / (ceilings.gemm_gflops(min(batch_size, len(prompts)), budget_s=0.3) * 1e9),
+    )
+
+
+def run_pdserve(model_dir, prompts, lengths, dtype, batch_size) -> tuple[float, tuple[float, float]]:
+    """The job's seconds, and its GEMM floor measured at once after it (prefill, decode)."""
     with LLM(str(model_dir), dtype=dtype, max_num_seqs=batch_size, kv_cache_memory=2 * 2**30) as llm:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        floor = gemm_floor(llm.engine, prompts, lengths, batch_size)
     assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
-    return elapsed
+    return elapsed, floor
 
 
 def _hf_model(model_dir, dtype):
@@ -131,7 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
         lengths = output_lengths(workload, args.num_prompts, args.output_len)
         total_out = sum(lengths)
         for dtype in args.dtypes:
-            timings: dict[str, float | str] = {"pdserve": run_pdserve(model_dir, prompts, lengths, dtype, batch_size)}
+            ours_s, (prefill_floor, decode_floor) = run_pdserve(model_dir, prompts, lengths, dtype, batch_size)
+            floor = prefill_floor + decode_floor
+            timings: dict[str, float | str] = {"pdserve": ours_s}
             gc.collect()
             model = _hf_model(model_dir, dtype)
             timings["transformers generate"] = run_hf_generate(model, prompts, lengths, batch_size)
@@ -149,12 +184,29 @@ def main(argv: list[str] | None = None) -> dict:
                     rows.append({**row, "note": elapsed})
                     continue
                 tput = total_out / elapsed
-                rows.append({**row, "seconds": elapsed, "output tok/s": tput, "pdserve / this": ours / tput})
+                rows.append(
+                    {
+                        **row,
+                        "seconds": elapsed,
+                        "output tok/s": tput,
+                        "pdserve / this": ours / tput,
+                        "x floor": elapsed / floor,
+                    }
+                )
+            rows.append(
+                {
+                    "workload": workload,
+                    "dtype": dtype,
+                    "system": "GEMM floor",
+                    "seconds": floor,
+                    "note": f"prefill {prefill_floor:.1f} s + decode {decode_floor:.1f} s",
+                }
+            )
     print_table(
         f"Offline throughput: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out (fixed), "
         f"batch {batch_size}, {torch.get_num_threads()} threads",
         rows,
-        ["workload", "dtype", "system", "seconds", "output tok/s", "pdserve / this", "note"],
+        ["workload", "dtype", "system", "seconds", "output tok/s", "pdserve / this", "x floor", "note"],
     )
     payload = {"args": vars(args), "rows": rows}
     write_json("offline_throughput", payload)

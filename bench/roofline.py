@@ -120,7 +120,7 @@ class Ceilings:
             return _best_time(lambda: [linear(x, w, None, packed) for x, (w, packed) in pairs], budget_s)
 
 
-def _model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: int) -> float:
+def model_flops(engine: LLMEngine, tokens: int, sampled: int, attended_pairs: int) -> float:
     shape = engine.executor.driver.shape
     per_layer = sum(w.numel() for w in _layer_matrices(engine))
     linear = 2 * tokens * per_layer * shape.num_layers + 2 * sampled * shape.vocab_size * shape.hidden_size
@@ -204,8 +204,8 @@ def measure(dtype: str, steps: int, read_bytes_per_s: float) -> tuple[list[dict]
     finally:
         engine.shutdown()
     causal_pairs = PREFILL_PROMPTS * PREFILL_LEN * (PREFILL_LEN + 1) // 2
-    prefill_flops = _model_flops(engine, PREFILL_PROMPTS * PREFILL_LEN, PREFILL_PROMPTS, causal_pairs)
-    decode64_flops = _model_flops(engine, DECODE_BATCH, DECODE_BATCH, DECODE_BATCH * context64)
+    prefill_flops = model_flops(engine, PREFILL_PROMPTS * PREFILL_LEN, PREFILL_PROMPTS, causal_pairs)
+    decode64_flops = model_flops(engine, DECODE_BATCH, DECODE_BATCH, DECODE_BATCH * context64)
 
     def compute_row(step: str, flops: float, pairs: list[tuple[float, float]], rows: int, target: str) -> dict:
         seconds = statistics.median(s for s, _ in pairs)

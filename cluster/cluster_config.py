@@ -133,6 +133,7 @@ class ClusterConfig:
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
+    compile: bool = True  # CPU: the compiled kernels (common.config.ModelConfig.compile); false: eager torch
     block_size: int = 16
     # Per shard: bytes (an int > 1), or a fraction in (0, 1] of the memory free on its host when it
     # starts (split between its instance's shards). None: a local CPU cluster gives its KV caches
@@ -217,7 +218,13 @@ class ClusterConfig:
         self._cache_config(self.pools()[0])  # validates the cache fields now
 
     def _model_config(self) -> ModelConfig:
-        return ModelConfig(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len)
+        return ModelConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            compile=self.compile,
+        )
 
     def _cache_config(self, pool: str) -> CacheConfig:
         return CacheConfig(

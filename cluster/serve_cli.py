@@ -33,6 +33,7 @@ FLAG_KEYS = {
     "host": "host",
     "port": "port",
     "dtype": "dtype",
+    "compile": "compile",
     "transport": "transport",
     "stream_interval": "stream_interval",
     "conditional_disaggregation": "router.conditional_disaggregation",
@@ -61,6 +62,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU: run the layer stack through the compiled kernels (default on; --no-compile: plain torch, eager)",
+    )
     parser.add_argument("--transport", choices=["shm", "grpc", "torch", "tcp"], help="KV transport between pools")
     parser.add_argument(
         "--stream-interval", type=int, help="tokens per streamed chunk after the first (default 1: every token)"

@@ -32,6 +32,10 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     cache_dir: str | None = None  # where converted checkpoints live; None: common.env default
+    # CPU: run the layer stack through the compiled kernels (engine/cpu_kernels: C built once with
+    # the system compiler, cached; one flat loop per step, engine.models.llama_cpu). false: plain
+    # torch ops, eager (what CUDA runs). Both give float32 greedy output equal to transformers'.
+    compile: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -40,6 +44,8 @@ class ModelConfig:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {', '.join(DEVICES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len} must be a positive number of tokens")
+        if type(self.compile) is not bool:
+            raise ConfigError(f"compile={self.compile!r} must be true or false")
 
 
 @dataclass(frozen=True)

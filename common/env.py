@@ -31,6 +31,13 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("PDSERVE_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
 
 
+def prefill_attention() -> str | None:
+    """PDSERVE_PREFILL_ATTENTION=tiled|sdpa pins which prefill attention the CPU kernels' layer loop
+    runs (unset: the faster on this machine, probed at start-up: engine.cpu_kernels.prefill_probe)."""
+    value = os.environ.get("PDSERVE_PREFILL_ATTENTION", "").strip().lower()
+    return value if value in ("tiled", "sdpa") else None
+
+
 def cpu_auto_dtype() -> str | None:
     """PDSERVE_CPU_AUTO_DTYPE=float32|bfloat16 pins what dtype=auto means on CPU (unset: probe the
     machine's matmul speed at start-up). The test suite pins float32, the oracle's dtype."""

@@ -34,10 +34,16 @@ class LLM:
         max_num_waiting: int = 4096,
         max_decode_stall_s: float | None = None,
         cache_dir: str | None = None,
+        compile: bool = True,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, device=device, max_model_len=max_model_len, cache_dir=cache_dir
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                cache_dir=cache_dir,
+                compile=compile,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching

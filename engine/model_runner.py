@@ -13,6 +13,8 @@ from common.config import EngineConfig
 from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
 from engine.attention import StepTensors, get_backend
+from engine.cpu_kernels import kernels_for
+from engine.cpu_kernels.prefill_probe import use_tiled_prefill
 from engine.distributed.parallel import TensorParallel
 from engine.dtype_probe import resolve_auto_dtype
 from engine.heap import keep_freed_memory
@@ -57,6 +59,17 @@ def _store_weights_column_major(model: torch.nn.Module) -> None:
             param.data = param.data.t().contiguous().t()
 
 
+def _layer_stack(model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> str:
+    """Which forward path the instance runs, and why (logged once at start-up)."""
+    if model.model.kernels is not None:
+        return "the compiled CPU kernels (compile: true)"
+    if not config.model.compile:
+        return "plain torch ops, eager (compile: false)"
+    if device.type != "cpu":
+        return f"plain torch ops on {device.type} (the compiled kernels are CPU-only)"
+    return "plain torch ops (the CPU kernels are unavailable here: see the warning above)"
+
+
 def check_model(config: EngineConfig, model_dir: Path) -> LlamaShape:
     """Refuse an unsupported architecture or TP degree before any shard starts."""
     hf_config = read_config(model_dir)
@@ -80,9 +93,12 @@ class ModelRunner:
         self.max_model_len = min(
             config.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
         )
-        self.backend = get_backend("torch")
+        compiled = config.model.compile
+        self.backend = get_backend("torch", cpu_kernels=compiled, tiled_prefill=self._tiled_prefill(compiled))
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(shape, tp, self.backend, self.dtype, self.max_model_len)
+            self.model = LlamaForCausalLM(shape, tp, self.backend, self.dtype, self.max_model_len, compiled)
+        if tp.rank == 0:
+            logger.info("layer stack: %s", _layer_stack(self.model, config, self.device))
         self.model.load_weights(iter_safetensors(model_dir))
         if cpu_packing_available(self.device, self.dtype):
             logger.info("%d linear weights packed for oneDNN", pack_linear_weights(self.model))
@@ -114,6 +130,15 @@ class ModelRunner:
             self.connector.close()
         release_kv_caches(self._kv_region)
         self._kv_region = None
+
+    def _tiled_prefill(self, compiled: bool) -> bool:
+        """Whether this shard's prefill chunks take the tiled kernel (else SDPA): the faster here."""
+        kernels = kernels_for(self.device) if compiled else None
+        if kernels is None or not kernels.supports(self.dtype):
+            return False
+        shape, tp = self.shape, self.tp.size
+        heads, kv_heads = shape.num_heads // tp, max(1, shape.num_kv_heads // tp)
+        return use_tiled_prefill(kernels, self.dtype, heads, kv_heads, shape.head_dim)
 
     def _plan_kv_cache(self) -> KVCacheLayout:
         cache = self.config.cache

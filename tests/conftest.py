@@ -12,6 +12,9 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # dtype=auto may pick bfloat16 on a CPU with AMX; the oracle tests compare in float32 everywhere.
 os.environ.setdefault("PDSERVE_CPU_AUTO_DTYPE", "float32")
+# The CPU layer loop's prefill attention: the tiled kernel on every machine (a start-up probe would
+# pick SDPA where it is faster, e.g. bfloat16 with AMX, and leave the kernel out of the oracle tests).
+os.environ.setdefault("PDSERVE_PREFILL_ATTENTION", "tiled")
 # The suite's replicas claim cores among themselves, not against a cluster running beside it.
 os.environ.setdefault("PDSERVE_CORE_LOCK_DIR", f"/tmp/pdserve-test-cores-{os.getpid()}")
 

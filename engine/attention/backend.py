@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,8 +62,8 @@ class AttentionBackend(ABC):
 _BACKENDS = {"torch": "engine.attention.torch_paged:TorchPagedAttention"}
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
+def get_backend(name: str = "torch", **options: Any) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(**options)

@@ -6,21 +6,24 @@ paged cache: ``build_metadata`` binds it to the step's tables (``decode_attentio
 layer loop (``engine.models.llama_cpu``) calls it. Elsewhere (CUDA, or no C compiler) ``forward``
 gathers every decode sequence's blocks into one padded [batch, max_context, heads, head_dim]
 tensor and masks it past each sequence's length.
-Prefill chunks go one by one through SDPA with a batch dimension (a 4-D call takes torch's
-flash kernel on CPU; a 3-D one fell back to the math path, 3-4x slower); a chunk starting at
-position 0 attends to its own keys (causal, no cache read, the same call transformers makes), a
-later chunk reads its earlier context from the cache.
+On CPU with the kernels, a step's prefill chunks go through the tiled prefill kernel
+(``engine/cpu_kernels/prefill_attention.c``) in one call, keys and values read in place from the
+cache (``prefill_attention``). Elsewhere they go one by one through SDPA with a batch dimension
+(a 4-D call takes torch's flash kernel on CPU; a 3-D one fell back to the math path, 3-4x
+slower); a chunk starting at position 0 attends to its own keys (causal, no cache read, the same
+call transformers makes), a later chunk reads its earlier context from the cache.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
-from engine.cpu_kernels import DecodeAttention, kernels_for
+from engine.cpu_kernels import DecodeAttention, PrefillAttention, kernels_for
 
 
 @dataclass
@@ -42,16 +45,25 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_mask: torch.Tensor | None = None
     # CPU with the compiled kernels: the decodes' attention bound to this step's tables once.
     decode_attention: DecodeAttention | None = None
+    # ... and the prefill chunks', for the tiled kernel (every chunk in one call a layer).
+    prefill_attention: PrefillAttention | None = None
     prefills: list[_Prefill] = field(default_factory=list)
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self, cpu_kernels: bool = True, tiled_prefill: bool = True) -> None:
+        # False: the decodes get the plain path's masks, not the kernel's tables (``compile: false``).
+        self.cpu_kernels = cpu_kernels
+        # With the kernels: prefill chunks through the tiled kernel, else SDPA (the faster on this
+        # machine: engine.cpu_kernels.prefill_probe).
+        self.tiled_prefill = tiled_prefill
+
     def build_metadata(self, step: StepTensors, block_size: int) -> TorchAttentionMetadata:
         device = step.input_ids.device
         meta = TorchAttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=step.num_decodes)
-        kernels = kernels_for(device)
+        kernels = kernels_for(device) if self.cpu_kernels else None
         nd = step.num_decodes
         if nd:
             seq_lens = step.seq_lens[:nd]
@@ -77,6 +89,8 @@ class TorchPagedAttention(AttentionBackend):
                 prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
             meta.prefills.append(prefill)
             start += q_len
+        if kernels is not None and self.tiled_prefill and meta.prefills:
+            meta.prefill_attention = _bind_prefills(step, block_size)
         return meta
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
@@ -120,6 +134,20 @@ class TorchPagedAttention(AttentionBackend):
         scores.masked_fill_(meta.decode_padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def _bind_prefills(step: StepTensors, block_size: int) -> PrefillAttention:
+    nd = step.num_decodes
+    query_lens, seq_lens = step.query_lens[nd:], step.seq_lens[nd:]
+    max_blocks = -(-max(seq_lens) // block_size)
+    tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[nd:]]
+    starts = list(itertools.accumulate(query_lens[:-1], initial=nd))  # the chunks' first rows
+    return PrefillAttention(
+        torch.tensor(tables, dtype=torch.long),
+        torch.tensor(starts, dtype=torch.long),
+        torch.tensor(query_lens, dtype=torch.long),
+        torch.tensor(seq_lens, dtype=torch.long),
+    )
 
 
 def attend_prefills(

@@ -1,6 +1,9 @@
 """CPU kernels in plain C, built once per machine and called through ctypes.
 
     paged_attention.c  attention that reads keys/values in place from the block-paged KV cache
+                       (decodes: one query row a sequence)
+    prefill_attention.c  the same contract tiled for prefill chunks (16 query rows an item), every
+                       chunk of a step in one call
     fused.c            RMSNorm (+ the residual add), SiLU-and-multiply, rotary embedding in place
 
 Why C and not torch ops: at batch 1 a Llama layer was ~40 small torch ops whose dispatch cost
@@ -36,7 +39,7 @@ from common import env
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = ("paged_attention.c", "fused.c")
+_SOURCES = ("paged_attention.c", "prefill_attention.c", "fused.c")
 _HEADERS = ("common.h",)
 # No -ffast-math: in a shared object it can switch the whole process to flush denormals to zero.
 _FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
@@ -86,6 +89,10 @@ def build(compiler: str, march: str = "native") -> Path:
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _SIGNATURES = {
     "paged_attention": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32],
+    ),
+    "prefill_attention": (
         ctypes.c_int,
         [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32],
     ),
@@ -164,16 +171,23 @@ class CPUKernels:
         query_len: torch.Tensor,
         context_len: torch.Tensor,
         scale: float,
+        *,
+        op: str = "paged_attention",
     ) -> None:
         """query/out [tokens, heads, head_dim] with heads and head_dim packed (rows may be strided);
         caches [blocks, block_size, kv_heads, head_dim] contiguous; int64 block_tables [seqs,
         max_blocks] and per-sequence vectors. Sequence s's query rows query_start[s] ..
-        + query_len[s] sit at the last query_len[s] of its context_len[s] positions (causal)."""
+        + query_len[s] sit at the last query_len[s] of its context_len[s] positions (causal).
+        ``op="prefill_attention"``: the same through the tiled kernel for prefill chunks."""
         for t in (block_tables, query_start, query_len, context_len):
             assert t.is_contiguous() and t.dtype == torch.int64
         assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
         sequences = SequencePointers.of(block_tables, query_start, query_len, context_len)
-        self._attend(query, key_cache, value_cache, out, sequences, scale)
+        self._attend(query, key_cache, value_cache, out, sequences, scale, op)
+
+    def prefill_attention(self, *args, **kwargs) -> None:
+        """``paged_attention`` through the tiled prefill kernel (prefill_attention.c)."""
+        self.paged_attention(*args, **kwargs, op="prefill_attention")
 
     def _attend(
         self,
@@ -183,6 +197,7 @@ class CPUKernels:
         out: torch.Tensor,
         sequences: SequencePointers,
         scale: float,
+        op: str,
     ) -> None:
         _, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
@@ -193,7 +208,7 @@ class CPUKernels:
         assert num_heads % num_kv_heads == 0 and block_size & (block_size - 1) == 0
         for t in (query, out):
             assert t.stride(2) == 1 and t.stride(1) == head_dim, "query/out rows must pack heads and head_dim"
-        status = self._fn("paged_attention", query.dtype)(
+        status = self._fn(op, query.dtype)(
             query.data_ptr(),
             query.stride(0),
             key_cache.data_ptr(),
@@ -213,7 +228,7 @@ class CPUKernels:
             scale,
         )
         if status != 0:
-            raise MemoryError("the CPU paged-attention kernel could not allocate its score buffer")
+            raise MemoryError(f"the CPU kernel {op} could not allocate its buffers")
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual_delta: torch.Tensor | None = None
@@ -336,6 +351,22 @@ class DecodeAttention:
         assert block_tables.shape[0] == num_seqs
         self._tensors = (block_tables, context_len, starts, ones)  # kept alive for the pointers
         self.sequences = SequencePointers.of(block_tables, starts, ones, context_len)
+
+
+class PrefillAttention:
+    """The tiled prefill kernel's arguments for a step's prefill chunks (``prefill_attention.c``),
+    bound to their rows, block tables and context lengths once a step: each layer of the step
+    passes ``sequences`` to the kernel, which attends to every chunk in one call."""
+
+    def __init__(
+        self, block_tables: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor, context_len: torch.Tensor
+    ) -> None:
+        for t in (block_tables, query_start, query_len, context_len):
+            assert t.dtype == torch.int64 and t.is_contiguous()
+        assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
+        assert bool((query_len <= context_len).all()), "a chunk cannot hold more tokens than its context"
+        self._tensors = (block_tables, query_start, query_len, context_len)  # kept alive for the pointers
+        self.sequences = SequencePointers.of(block_tables, query_start, query_len, context_len)
 
 
 def load(path: Path) -> CPUKernels:

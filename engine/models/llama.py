@@ -163,11 +163,17 @@ def _load_whole(param: nn.Parameter, source: TensorSource, shard_id: object = No
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, shape: LlamaShape, tp: TensorParallel, backend: AttentionBackend, dtype: torch.dtype, max_positions: int
+        self,
+        shape: LlamaShape,
+        tp: TensorParallel,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        max_positions: int,
+        cpu_kernels: bool = True,
     ):
         super().__init__()
         self.shape = shape
-        kernels = kernels_for(tp.device)
+        kernels = kernels_for(tp.device) if cpu_kernels else None
         if kernels is not None and not kernels.supports(dtype):
             kernels = None
         self.model = LlamaModel(shape, tp, backend, dtype, max_positions, kernels)

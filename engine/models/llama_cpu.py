@@ -6,7 +6,8 @@ tensor. At batch 1 the calls around the products took a third of a step (bf16 Sm
 23-24 ms a forward with 16 ms of weight products), twice what the same calls cost in a
 microbenchmark: each product streams the weights through the caches and evicts the
 interpreter's working set, so every call after it runs cold. Here a layer is its four products
-and five kernel calls taking raw pointers checked once per step, its activations in buffers
+and five or six kernel calls (the decodes' attention, and every prefill chunk's in one call of the
+tiled prefill kernel) taking raw pointers checked once per step, its activations in buffers
 allocated once per step (17-18 ms the same forward). The kernels' arithmetic is unchanged; the
 plain torch modules (CUDA's path) agree to float32 rounding on every kind of step
 (``tests/engine/test_llama_cpu.py``), and greedy output equals transformers' (the oracle tests).
@@ -109,7 +110,7 @@ def forward_layers(
     dtype = model.norm.weight.dtype
     _check_step(model, kv_caches, positions, dtype)
     rms_norm, rotary = kernels.raw("rms_norm", dtype), kernels.raw("rotary", dtype)
-    write_kv, attention = kernels.raw("write_kv", dtype), kernels.raw("paged_attention", dtype)
+    write_kv = kernels.raw("write_kv", dtype)
     silu_and_mul = kernels.raw("silu_and_mul", dtype)
 
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -133,10 +134,16 @@ def forward_layers(
     positions_ptr, slots_ptr = positions.data_ptr(), meta.slot_mapping.data_ptr()
     cos_ptr, sin_ptr = model.rotary_emb.cos.data_ptr(), model.rotary_emb.sin.data_ptr()
     assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.shape == (rows,)
-    decodes = meta.decode_attention.sequences if meta.decode_attention is not None else None
+    # Each attention kernel with the sequences it serves this step: the decodes (one query row
+    # each), and every prefill chunk through the tiled kernel where the backend bound them (else SDPA).
+    attention_calls = [
+        (kernels.raw(op, dtype), bound.sequences)
+        for op, bound in (("paged_attention", meta.decode_attention), ("prefill_attention", meta.prefill_attention))
+        if bound is not None
+    ]
     # The backend binds the decodes' tables only where it found the kernels too; without them
     # the decode rows of attn_out would stay unwritten.
-    assert meta.num_decodes == 0 or decodes is not None, "decode steps need the kernel's tables (build_metadata)"
+    assert meta.num_decodes == 0 or meta.decode_attention is not None, "decode steps need the kernel's tables"
     delta: torch.Tensor | None = None  # the previous layer's MLP output, added inside the next norm
 
     for i, (layer, kv_cache) in enumerate(zip(_layers(model), kv_caches, strict=True)):
@@ -154,15 +161,15 @@ def forward_layers(
             q_ptr, qkv_width, num_heads, k_ptr, qkv_width, num_kv_heads, cos_ptr, sin_ptr, positions_ptr, rows, head_dim
         )  # fmt: skip
         write_kv(k_ptr, qkv_width, v_ptr, qkv_width, key_ptr, value_ptr, slots_ptr, rows, kv_width)
-        if decodes is not None:
+        for attention, seqs in attention_calls:
             status = attention(
                 q_ptr, qkv_width, key_ptr, value_ptr, attn_out_ptr, q_width,
-                decodes.block_tables, decodes.block_table_stride, decodes.query_start, decodes.query_len,
-                decodes.context_len, decodes.num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                seqs.block_tables, seqs.block_table_stride, seqs.query_start, seqs.query_len,
+                seqs.context_len, seqs.num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
             )  # fmt: skip
             if status != 0:
-                raise MemoryError("the CPU paged-attention kernel could not allocate its score buffer")
-        if meta.prefills:
+                raise MemoryError("a CPU attention kernel could not allocate its buffers")
+        if meta.prefills and meta.prefill_attention is None:
             q, k, v = qkv.view(rows, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
             attend_prefills(q, k, v, key_cache, value_cache, meta, scale, attn_out.view(rows, num_heads, head_dim))
         o = _row_parallel(attn_out, layer.o, layer.o_bias)

@@ -330,6 +330,22 @@ def test_the_conditional_disaggregation_flag_sets_the_router_key(flag, expected)
     assert config.router.conditional_disaggregation is expected
 
 
+@pytest.mark.parametrize(("flag", "expected"), [([], True), (["--compile"], True), (["--no-compile"], False)])
+def test_the_compile_flag_reaches_every_pool_s_model_config(flag, expected, tmp_path):
+    import argparse
+
+    from cluster.serve_cli import add_serve_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = config_from_args(parser.parse_args(flag))
+    assert config.compile is expected
+    assert all(config.engine_config(pool).model.compile is expected for pool in config.pools())
+    path = tmp_path / "cluster.yaml"
+    path.write_text("compile: false\n")
+    assert load_cluster_config(path).engine_config("decode").model.compile is False
+
+
 def test_a_cluster_reachable_beyond_loopback_needs_api_keys(monkeypatch, tmp_path):
     from cluster.app import load_keyring
     from router.auth import ADMIN_KEY_ENV, API_KEYS_ENV

@@ -11,6 +11,7 @@ from common.errors import ConfigError
     [
         (lambda: ModelConfig(dtype="float64"), "dtype='float64'"),
         (lambda: ModelConfig(device="tpu"), "device='tpu'"),
+        (lambda: ModelConfig(compile="no"), "compile='no' must be true or false"),
         (lambda: CacheConfig(block_size=12), "block_size=12 must be a power of two"),
         (lambda: CacheConfig(kv_cache_memory=1.5), "kv_cache_memory=1.5"),
         (lambda: CacheConfig(kv_cache_memory=0), "kv_cache_memory=0"),

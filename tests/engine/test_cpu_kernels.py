@@ -59,10 +59,15 @@ def reference_attention(query, key_cache, value_cache, table, context_len, scale
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16), (8, 2, 128, 16), (6, 2, 96, 8)],
 )
 @pytest.mark.parametrize("many", [False, True])
-def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_heads, head_dim, block_size, many):
+@pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
+def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_heads, head_dim, block_size, many, kernel):
     # Sequences of 1 (decode) to many query rows, contexts crossing block edges, blocks out of order;
     # with ``many``, a decode batch's worth of them (each thread takes a run of consecutive items).
+    # The prefill kernel's items are 16 rows: chunks of several row blocks, whole prompts (rows =
+    # context) and later chunks reading earlier context, a row count no multiple of 16 or 4.
     shapes = [(1, 1), (1, block_size), (1, block_size + 1), (5, 37), (block_size, 3 * block_size), (1, 300)]
+    if kernel == "prefill_attention":
+        shapes += [(40, 40), (33, 33), (17, 290), (100, 131)]
     if many:
         shapes = shapes * 2 + [(1, 1 + 23 * i % 200) for i in range(40)]
     num_blocks = sum(-(-ctx // block_size) for _, ctx in shapes) + 3
@@ -79,7 +84,7 @@ def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_head
     query = torch.randn(tokens, heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
-    KERNELS.paged_attention(
+    getattr(KERNELS, kernel)(
         query,
         key_cache,
         value_cache,
@@ -99,19 +104,19 @@ def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_head
         assert (got - ref).abs().max().item() < TOLERANCE[dtype], f"sequence {s} ({rows} rows, context {ctx})"
 
 
-def test_paged_attention_reads_strided_query_rows():
+@pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
+def test_paged_attention_reads_strided_query_rows(kernel):
     """Query heads may be a view into the fused qkv projection's output (rows strided)."""
     key_cache, value_cache = paged_cache(8, 16, 2, 32, torch.float32, seed=3)
-    qkv = torch.randn(3, (4 + 2 * 2) * 32)
-    query = qkv[:, : 4 * 32].view(3, 4, 32)
+    qkv = torch.randn(23, (4 + 2 * 2) * 32)
+    query = qkv[:, : 4 * 32].view(23, 4, 32)
     assert not query.is_contiguous()
     tables = torch.tensor([[5, 1], [2, 7], [0, 3]])
-    lens = torch.tensor([20, 32, 1])
+    starts, rows, lens = torch.tensor([0, 1, 21]), torch.tensor([1, 20, 2]), torch.tensor([20, 32, 2])
     args = (key_cache, value_cache)
-    strided, packed = torch.empty(3, 4, 32), torch.empty(3, 4, 32)
-    one = torch.ones(3, dtype=torch.int64)
-    KERNELS.paged_attention(query, *args, strided, tables, torch.arange(3), one, lens, 0.2)
-    KERNELS.paged_attention(query.contiguous(), *args, packed, tables, torch.arange(3), one, lens, 0.2)
+    strided, packed = torch.empty(23, 4, 32), torch.empty(23, 4, 32)
+    getattr(KERNELS, kernel)(query, *args, strided, tables, starts, rows, lens, 0.2)
+    getattr(KERNELS, kernel)(query.contiguous(), *args, packed, tables, starts, rows, lens, 0.2)
     assert torch.equal(strided, packed)
 
 
@@ -195,6 +200,16 @@ def test_the_portable_build_agrees_with_the_native_one(portable, dtype):
         kernels.paged_attention(query, key_cache, value_cache, out, tables, starts, lens, ctx, 0.125)
         outs.append(out.float())
     assert (outs[0] - outs[1]).abs().max().item() < TOLERANCE[dtype]
+    # The tiled prefill kernel: two chunks, one reading earlier context (intrinsics natively,
+    # compiler loops portably, both fused multiply-adds: the same sums).
+    query = torch.randn(60, 9, 64, generator=g).to(dtype)
+    starts, lens, ctx = torch.tensor([0, 37]), torch.tensor([37, 23]), torch.tensor([37, 140])
+    outs = []
+    for kernels in (KERNELS, portable):
+        out = torch.empty_like(query)
+        kernels.prefill_attention(query, key_cache, value_cache, out, tables[:2], starts, lens, ctx, 0.125)
+        outs.append(out.float())
+    assert (outs[0] - outs[1]).abs().max().item() < TOLERANCE[dtype]
     x = torch.randn(5, 576, generator=g).to(dtype)
     weight = torch.rand(576, generator=g).to(dtype)
     torch.testing.assert_close(
@@ -246,3 +261,17 @@ def test_write_kv_matches_index_copy(dtype):
     expected_v.view(-1, 2, 32).index_copy_(0, slots, v)
     KERNELS.write_kv(k, v, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+def test_the_prefill_probe_times_both_paths_and_a_pin_overrides_it(monkeypatch):
+    from engine.cpu_kernels import prefill_probe
+
+    probe = prefill_probe._probe(KERNELS, torch.float32, 9, 3, 64)
+    assert probe.tiled_s > 0 and probe.sdpa_s > 0
+    assert prefill_probe.PrefillProbe(1.0, 1.0).tiled_wins is False  # a tie keeps torch's path
+    assert prefill_probe.PrefillProbe(1.0, 2.0).tiled_wins is True
+    for pinned, expected in (("sdpa", False), ("tiled", True)):
+        monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", pinned)
+        prefill_probe.use_tiled_prefill.cache_clear()
+        assert prefill_probe.use_tiled_prefill(KERNELS, torch.float32, 9, 3, 64) is expected
+    prefill_probe.use_tiled_prefill.cache_clear()

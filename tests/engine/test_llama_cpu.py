@@ -57,11 +57,19 @@ def _runner(model_dir, monkeypatch, kernels: bool) -> ModelRunner:
         return ModelRunner(config, model_dir, TensorParallel.single(torch.device("cpu")))
 
 
-def test_every_step_kind_agrees_with_the_module_path(biased_dir, monkeypatch):
+@pytest.mark.parametrize("prefill_attention", ["tiled", "sdpa"])
+def test_every_step_kind_agrees_with_the_module_path(biased_dir, monkeypatch, prefill_attention):
     """The same steps through the layer loop and through the modules (plain torch ops): decodes,
-    first chunks and later chunks side by side, logits equal to float32 rounding."""
+    first chunks and later chunks side by side, logits equal to float32 rounding; the loop's
+    prefill chunks through the tiled kernel or SDPA (whichever the start-up probe picks)."""
+    from engine.cpu_kernels.prefill_probe import use_tiled_prefill
+
+    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", prefill_attention)
+    use_tiled_prefill.cache_clear()
     loop, modules = _runner(biased_dir, monkeypatch, kernels=True), _runner(biased_dir, monkeypatch, kernels=False)
+    use_tiled_prefill.cache_clear()
     assert loop.model.model.kernels is not None and modules.model.model.kernels is None
+    assert loop.backend.tiled_prefill is (prefill_attention == "tiled")
     steps = []
     engine_config = EngineConfig(
         model=ModelConfig(model=str(biased_dir)),
@@ -94,6 +102,8 @@ def test_every_step_kind_agrees_with_the_module_path(biased_dir, monkeypatch):
     assert any(later_chunks), "some prefill chunk should read earlier context from the cache"
     try:
         for step in steps:
+            bound = loop.backend.build_metadata(loop._tensors(step), loop.layout.block_size).prefill_attention
+            assert (bound is not None) == (loop.backend.tiled_prefill and len(step.query_lens) > step.num_decodes)
             ours = loop.execute(step)
             with monkeypatch.context() as patch:  # the module path's metadata: masks, not the kernel's tables
                 patch.setattr(torch_paged, "kernels_for", lambda device: None)

@@ -128,15 +128,17 @@ def test_tiny_llama_any_tp(tp, tiny_dir, hf_tiny, hf_reference):
     assert_matches_oracle(outputs, prompts, hf_tiny, hf_reference, 16)
 
 
-def test_plain_torch_path_matches_the_oracle_too(smol_dir, mixed_prompts, hf_smol, hf_reference, monkeypatch):
-    """The CPU kernels off (what CUDA and a machine without a C compiler run): same tokens."""
-    import engine.attention.torch_paged as torch_paged
-    import engine.models.llama as llama
+def test_eager_and_compiled_paths_give_the_same_tokens(llm, smol_dir, mixed_prompts, hf_smol, hf_reference):
+    """``compile: false`` (plain torch ops, eager: what CUDA and a machine without a C compiler
+    run) against the compiled CPU kernels (the default): the same float32 tokens, transformers'."""
+    from engine.cpu_kernels import cpu_kernels
 
-    monkeypatch.setattr(llama, "kernels_for", lambda device: None)
-    monkeypatch.setattr(torch_paged, "kernels_for", lambda device: None)
     prompts = mixed_prompts[::3]
-    with LLM(str(smol_dir), kv_cache_memory=128 * 2**20) as plain:
-        assert plain.engine.executor.driver.model.model.kernels is None
-        outputs = plain.generate(prompts, GREEDY)
-    assert_matches_oracle(outputs, prompts, hf_smol, hf_reference, 12)
+    with LLM(str(smol_dir), kv_cache_memory=128 * 2**20, compile=False) as eager:
+        assert eager.engine.executor.driver.model.model.kernels is None
+        assert not eager.engine.executor.driver.backend.cpu_kernels
+        eager_outputs = eager.generate(prompts, GREEDY)
+    assert (llm.engine.executor.driver.model.model.kernels is not None) == (cpu_kernels() is not None)
+    compiled_outputs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in eager_outputs] == [o.outputs[0].token_ids for o in compiled_outputs]
+    assert_matches_oracle(eager_outputs, prompts, hf_smol, hf_reference, 12)
