@@ -78,18 +78,19 @@ class TorchPagedAttention(AttentionBackend):
                 span = torch.arange(max_blocks * block_size, device=device)
                 meta.decode_padding = (span[None, :] >= lens[:, None])[:, None, None, :]
                 meta.decode_mask = ~meta.decode_padding
+        tiled = kernels is not None and self.tiled_prefill
         start = nd
         prefill_seqs = zip(step.query_lens[nd:], step.seq_lens[nd:], step.block_tables[nd:], strict=True)
         for q_len, seq_len, table in prefill_seqs:
             prefill = _Prefill(token_start=start, num_tokens=q_len, context_len=seq_len)
-            if seq_len > q_len:
+            if seq_len > q_len and not tiled:  # SDPA's table and mask (q_len x seq_len: 64 MB at 2k x 32k)
                 num_blocks = -(-seq_len // block_size)
                 prefill.block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
             meta.prefills.append(prefill)
             start += q_len
-        if kernels is not None and self.tiled_prefill and meta.prefills:
+        if tiled and meta.prefills:
             meta.prefill_attention = _bind_prefills(step, block_size)
         return meta
 

@@ -182,6 +182,7 @@ class CPUKernels:
         for t in (block_tables, query_start, query_len, context_len):
             assert t.is_contiguous() and t.dtype == torch.int64
         assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
+        assert bool((query_len <= context_len).all()), "a sequence's query rows are part of its context"
         sequences = SequencePointers.of(block_tables, query_start, query_len, context_len)
         self._attend(query, key_cache, value_cache, out, sequences, scale, op)
 
