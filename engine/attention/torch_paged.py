@@ -68,8 +68,7 @@ class TorchPagedAttention(AttentionBackend):
         if nd:
             seq_lens = step.seq_lens[:nd]
             max_blocks = -(-max(seq_lens) // block_size)
-            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[:nd]]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+            meta.decode_block_tables = _padded_tables(step.block_tables[:nd], max_blocks).to(device)
             if kernels is not None:
                 context_lens = torch.tensor(seq_lens, dtype=torch.long)
                 meta.decode_attention = DecodeAttention(meta.decode_block_tables, context_lens)
@@ -137,14 +136,17 @@ class TorchPagedAttention(AttentionBackend):
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
+def _padded_tables(tables: list[list[int]], max_blocks: int) -> torch.Tensor:
+    """[sequences, max_blocks] int64 on CPU: each table cut or padded with block 0 to max_blocks."""
+    return torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables], dtype=torch.long)
+
+
 def _bind_prefills(step: StepTensors, block_size: int) -> PrefillAttention:
     nd = step.num_decodes
     query_lens, seq_lens = step.query_lens[nd:], step.seq_lens[nd:]
-    max_blocks = -(-max(seq_lens) // block_size)
-    tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in step.block_tables[nd:]]
     starts = list(itertools.accumulate(query_lens[:-1], initial=nd))  # the chunks' first rows
     return PrefillAttention(
-        torch.tensor(tables, dtype=torch.long),
+        _padded_tables(step.block_tables[nd:], -(-max(seq_lens) // block_size)),
         torch.tensor(starts, dtype=torch.long),
         torch.tensor(query_lens, dtype=torch.long),
         torch.tensor(seq_lens, dtype=torch.long),

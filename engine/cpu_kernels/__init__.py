@@ -87,15 +87,11 @@ def build(compiler: str, march: str = "native") -> Path:
 
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+# Both attention kernels take one contract (paged_attention.c, prefill_attention.c).
+_ATTENTION = (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32])
 _SIGNATURES = {
-    "paged_attention": (
-        ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32],
-    ),
-    "prefill_attention": (
-        ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32],
-    ),
+    "paged_attention": _ATTENTION,
+    "prefill_attention": _ATTENTION,
     "rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I32, _F32]),
     "silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _I32]),
     "rotary": (None, [_P, _I64, _I32, _P, _I64, _I32, _P, _P, _P, _I64, _I32]),
@@ -179,10 +175,6 @@ class CPUKernels:
         max_blocks] and per-sequence vectors. Sequence s's query rows query_start[s] ..
         + query_len[s] sit at the last query_len[s] of its context_len[s] positions (causal).
         ``op="prefill_attention"``: the same through the tiled kernel for prefill chunks."""
-        for t in (block_tables, query_start, query_len, context_len):
-            assert t.is_contiguous() and t.dtype == torch.int64
-        assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
-        assert bool((query_len <= context_len).all()), "a sequence's query rows are part of its context"
         sequences = SequencePointers.of(block_tables, query_start, query_len, context_len)
         self._attend(query, key_cache, value_cache, out, sequences, scale, op)
 
@@ -329,6 +321,11 @@ class SequencePointers:
 
     @classmethod
     def of(cls, block_tables, query_start, query_len, context_len) -> SequencePointers:
+        """Checked once here: the C code trusts these and would read out of bounds instead."""
+        for t in (block_tables, query_start, query_len, context_len):
+            assert t.is_contiguous() and t.dtype == torch.int64
+        assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
+        assert bool((query_len <= context_len).all()), "a sequence's query rows are part of its context"
         return cls(
             block_tables.data_ptr(),
             block_tables.stride(0),
@@ -347,9 +344,6 @@ class DecodeAttention:
     def __init__(self, block_tables: torch.Tensor, context_len: torch.Tensor) -> None:
         num_seqs = len(context_len)
         starts, ones = torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.int64)
-        for t in (block_tables, context_len):
-            assert t.dtype == torch.int64 and t.is_contiguous()
-        assert block_tables.shape[0] == num_seqs
         self._tensors = (block_tables, context_len, starts, ones)  # kept alive for the pointers
         self.sequences = SequencePointers.of(block_tables, starts, ones, context_len)
 
@@ -362,10 +356,6 @@ class PrefillAttention:
     def __init__(
         self, block_tables: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor, context_len: torch.Tensor
     ) -> None:
-        for t in (block_tables, query_start, query_len, context_len):
-            assert t.dtype == torch.int64 and t.is_contiguous()
-        assert block_tables.shape[0] == len(query_start) == len(query_len) == len(context_len)
-        assert bool((query_len <= context_len).all()), "a chunk cannot hold more tokens than its context"
         self._tensors = (block_tables, query_start, query_len, context_len)  # kept alive for the pointers
         self.sequences = SequencePointers.of(block_tables, query_start, query_len, context_len)
 
