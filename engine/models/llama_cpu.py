@@ -12,9 +12,9 @@ allocated once per step (17-18 ms the same forward). The kernels' arithmetic is 
 plain torch modules (CUDA's path) agree to float32 rounding on every kind of step
 (``tests/engine/test_llama_cpu.py``), and greedy output equals transformers' (the oracle tests).
 
-The products stay torch's (oneDNN on packed bf16 weights, MKL for float32); tensor parallelism
-all-reduces the row-parallel outputs as ``RowParallelLinear`` does; the model's ``layer_hook``
-(a KV connector pushing each layer out) runs after each layer as before.
+The products stay torch's (oneDNN on weights packed at load; F.linear where torch cannot pack);
+tensor parallelism all-reduces the row-parallel outputs as ``RowParallelLinear`` does; the
+model's ``layer_hook`` (a KV connector pushing each layer out) runs after each layer as before.
 """
 
 from __future__ import annotations

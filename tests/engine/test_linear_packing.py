@@ -1,4 +1,4 @@
-"""bfloat16 linear weights packed once for oneDNN: the same products as F.linear, on every layer."""
+"""Linear weights packed once for oneDNN (float32 and bfloat16): the same products as F.linear, on every layer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_packed_product_is_f_linear(rows, with_bias):
+def test_the_packed_bfloat16_product_is_f_linear(rows, with_bias):
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(960, 576, generator=g).bfloat16().t().contiguous().t()  # column-major, as stored
     bias = torch.randn(960, generator=g).bfloat16() if with_bias else None
@@ -32,6 +32,21 @@ def test_the_packed_product_is_f_linear(rows, with_bias):
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2**-7)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_packed_float32_product_is_f_linear_to_float32_rounding(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(960, 576, generator=g) * 0.05
+    bias = torch.randn(960, generator=g) if with_bias else None
+    x = torch.randn(rows, 576, generator=g)
+    got = linear(x, weight, bias, pack_weight(weight))
+    assert got.shape == (rows, 960) and got.dtype == torch.float32
+    exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    # float32 arithmetic, not bfloat16 underneath (oneDNN's fpmath mode stays strict): a sum of
+    # 576 products rounds to ~1e-6 here, a bfloat16 product would be off by ~1e-2.
+    assert (got.double() - exact).abs().max().item() < 5e-5
+
+
 def runner(model_dir, dtype: str) -> ModelRunner:
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype=dtype), cache=CacheConfig(kv_cache_memory=8 << 20)
@@ -39,24 +54,22 @@ def runner(model_dir, dtype: str) -> ModelRunner:
     return ModelRunner(config, model_dir, TensorParallel.single(CPU))
 
 
-def test_a_bfloat16_runner_packs_every_linear_weight_and_float32_none(tiny_dir, monkeypatch):
-    packed = runner(tiny_dir, "bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_runner_packs_every_linear_weight(tiny_dir, monkeypatch, dtype):
+    packed = runner(tiny_dir, dtype)
     with monkeypatch.context() as patch:
         patch.setattr(model_runner, "cpu_packing_available", lambda device, dtype: False)
-        plain = runner(tiny_dir, "bfloat16")
+        plain = runner(tiny_dir, dtype)
     modules = linear_modules(packed.model)
     assert len(modules) == 4 * 2 + 1  # qkv, o, gate_up, down of each of the tiny model's 2 layers, and the LM head
+    tolerance = {"atol": 3e-2, "rtol": 2**-7} if dtype == "bfloat16" else {"atol": 1e-5, "rtol": 1e-5}
     for module, reference in zip(modules, linear_modules(plain.model), strict=True):
         assert module.packed is not None and reference.packed is None
-        assert module.weight.shape == reference.weight.shape and module.weight.dtype == torch.bfloat16
-        x = torch.randn(2, module.weight.shape[1]).bfloat16()
+        assert module.weight.shape == reference.weight.shape and module.weight.dtype == getattr(torch, dtype)
+        x = torch.randn(2, module.weight.shape[1]).to(module.weight.dtype)
         torch.testing.assert_close(
-            linear(x, module.weight, None, module.packed).float(),
-            F.linear(x, reference.weight).float(),
-            atol=3e-2,
-            rtol=2**-7,
+            linear(x, module.weight, None, module.packed).float(), F.linear(x, reference.weight).float(), **tolerance
         )
-    assert all(m.packed is None for m in linear_modules(runner(tiny_dir, "float32").model))
 
 
 def test_packing_releases_the_plain_weights_but_not_the_tied_embedding(tiny_dir):
