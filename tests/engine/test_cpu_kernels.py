@@ -53,10 +53,11 @@ def reference_attention(query, key_cache, value_cache, table, context_len, scale
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    # GQA groups of 3 (a pair of query heads then one), 1, 8 and 4; head_dim 64/32/16/128 (the
-    # register-held accumulators of 4, 2, 1 and 8 vectors; 16 is too short for the bf16 pair dot);
-    # head_dim 96: the bf16 pair dot with the plain value loop.
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16), (8, 2, 128, 16), (6, 2, 96, 8)],
+    # GQA groups of 3 (one pass of three query heads over the values), 1, 8 (two of four), 4 (two
+    # of two at head_dim 128) and 5 (four, then one); head_dim 64/32/16/128 (the register-held
+    # accumulators of 4, 2, 1 and 8 vectors; 16 is too short for the bf16 pair dot); head_dim 96:
+    # the bf16 pair dot with the plain value loop.
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 16), (8, 2, 128, 16), (10, 2, 32, 16), (6, 2, 96, 8)],
 )
 @pytest.mark.parametrize("many", [False, True])
 @pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
