@@ -1,7 +1,7 @@
 """KV transfer: GB/s and latency per backend, next to this machine's ceilings measured in the same run.
 
     python -m bench.kv_transfer [--backends inproc shm shm-staged grpc torch] [--tokens 128 1024 8192]
-                                [--repeats 3] [--fragmented]
+                                [--repeats 3] [--fragmented] [--integrity none crc32 mac]
 
 Layouts: SmolLM2-135M (30 layers, 3 KV heads x 64, float32 as it runs on CPU) and an 8B-class
 model (32 layers, 8 KV heads x 128, bfloat16). The receiver runs in its own process, as a decode
@@ -33,12 +33,17 @@ time the compute thread spent handing layers over (a queue put each, which waits
 the sending thread holds it). "hidden % bound" is the most any sender could hide there: the last
 layer leaves only once it is computed, so its solo transfer is never hidden (1 - solo layer /
 whole transfer); a short transfer's layers cost much more one by one than together.
+
+``--integrity``: each row once per way of checking payloads (kv_transfer.protocol: none, crc32, or
+mac, HMAC-SHA256 under the ticket's secret), both sides hashing as a deployment's would; "vs none"
+is a row's back-to-back time over the same transfer's without a check, measured next to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import multiprocessing as mp
 import socket
 import threading
@@ -52,6 +57,7 @@ from bench.common import print_table, write_json
 from common.kv_layout import KVCacheLayout
 from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
 from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
+from kv_transfer.protocol import INTEGRITY_MODES
 from kv_transfer.transport import available_backends, get_transport
 
 LAYOUTS = {
@@ -306,7 +312,9 @@ class Pair:
     """One sender and one receiver shard over a backend, with caches big enough for ``tokens``.
     The receiver runs in a child process (as a decode replica would), except for "inproc"."""
 
-    def __init__(self, backend: str, spec: dict, tokens: int, fragmented: bool = False) -> None:
+    def __init__(
+        self, backend: str, spec: dict, tokens: int, fragmented: bool = False, integrity: str = "none"
+    ) -> None:
         self.num_blocks = -(-tokens // BLOCK)
         self.layout = _layout(spec, self.num_blocks)
         dtype = _TORCH_DTYPES[spec["dtype"]]
@@ -337,7 +345,7 @@ class Pair:
             if not self.conn.poll(120):
                 raise TimeoutError("the receiver process did not start within 120 s")
             self.endpoint = self.conn.recv()
-        self.sender = KVSender(self.layout, "bench", self.transport, with_checksums=False)
+        self.sender = KVSender(self.layout, "bench", self.transport, integrity=integrity)
         self.tokens = tokens
         self.count = 0
 
@@ -433,6 +441,10 @@ def _busy_wait(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _same_transfer(a: dict, b: dict) -> bool:
+    return all(a.get(key) == b.get(key) for key in ("backend", "layout", "tokens"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=[*available_backends(), "shm-staged"])
@@ -440,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fragmented", action="store_true", help="scattered block ids (a long-running cache)")
+    parser.add_argument("--integrity", nargs="+", default=["none"], choices=list(INTEGRITY_MODES))
     args = parser.parse_args(argv)
 
     memcpy = memcpy_bandwidth()
@@ -458,9 +471,9 @@ def main(argv: list[str] | None = None) -> dict:
     for backend in args.backends:
         same_host = backend.split("-")[0] in ("shm", "inproc")
         for name in args.layouts:
-            for tokens in args.tokens:
+            for tokens, integrity in itertools.product(args.tokens, args.integrity):
                 try:
-                    pair = Pair(backend, LAYOUTS[name], tokens, args.fragmented)
+                    pair = Pair(backend, LAYOUTS[name], tokens, args.fragmented, integrity)
                 except Exception as exc:  # a backend that cannot start here is reported, not fatal
                     rows.append({"backend": backend, "layout": name, "tokens": tokens, "note": f"{exc}"[:60]})
                     continue
@@ -491,6 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "backend": backend,
                         "layout": name,
                         "tokens": tokens,
+                        "integrity": integrity,
                         "MB": pair.num_bytes / 1e6,
                         "ms": best * 1e3,
                         "first layer ms": first_layer * 1e3,
@@ -510,6 +524,9 @@ def main(argv: list[str] | None = None) -> dict:
                     # The last layer leaves only once computed: however fast the rest, its solo
                     # transfer stays unhidden (a short transfer's layers cost more one by one).
                     row["hidden % bound"] = 100 * max(0.0, 1 - solo / best)
+                    unchecked = next((r for r in rows if r.get("integrity") == "none" and _same_transfer(r, row)), None)
+                    if unchecked is not None:
+                        row["vs none"] = row["ms"] / unchecked["ms"]
                     if note:
                         row["note"] = note
                     rows.append(row)
@@ -522,8 +539,10 @@ def main(argv: list[str] | None = None) -> dict:
             "backend",
             "layout",
             "tokens",
+            "integrity",
             "MB",
             "ms",
+            "vs none",
             "first layer ms",
             "GB/s",
             "ceiling GB/s",

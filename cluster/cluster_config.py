@@ -31,6 +31,7 @@ from common.tracing import check_tracing
 
 MODES = ("auto", "disagg", "colocated")
 TRANSPORTS = ("shm", "grpc", "torch", "tcp")  # kv_transfer backends that cross process boundaries ("inproc" does not)
+KV_INTEGRITY = ("none", "crc32", "mac")  # kv_transfer.protocol.INTEGRITY_MODES (not imported: that pulls in torch)
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CONNECTOR = "kv_transfer.connector:TransferConnector"
 KV_SHARE_OF_HOST = 0.2
@@ -149,9 +150,11 @@ class ClusterConfig:
     # shm ignores both (one host only).
     kv_host: str = "127.0.0.1"
     kv_advertise_host: str | None = None
-    # Off by default: a CRC-32 of every layer on both sides (~4 GB/s here) plus a gather each costs
-    # several times the transfer itself (~30 ms more for a 1k-token SmolLM2 prompt). Tests turn it on.
-    kv_checksums: bool = False
+    # How each KV chunk's payload is checked (kv_transfer.protocol): none (the chunk's header is
+    # signed either way), crc32 (catches corruption) or mac (HMAC-SHA256 under the ticket's secret:
+    # catches tampering too). Off by default: hashing every layer on both sides runs at ~2 GB/s on a
+    # CPU core, several times slower than the transfer itself (README, bench.kv_transfer --integrity).
+    kv_integrity: str = "none"
     # Tokens per streamed chunk after the first (vLLM's --stream-interval): fewer chunks cost less
     # CPU on every hop, at the price of burstier streams (decode_pool/stream_interval.py).
     stream_interval: int = 1
@@ -177,6 +180,10 @@ class ClusterConfig:
             raise ConfigError(f"transport='inproc' cannot cross processes; use one of {', '.join(TRANSPORTS)}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r} is not supported; use one of {', '.join(TRANSPORTS)}")
+        if self.kv_integrity not in KV_INTEGRITY:
+            raise ConfigError(
+                f"kv_integrity={self.kv_integrity!r} is not supported; use one of {', '.join(KV_INTEGRITY)}"
+            )
         if type(self.stream_interval) is not int or self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
         check_tracing(self.tracing)
@@ -259,7 +266,7 @@ class ClusterConfig:
             options = {
                 "backend": self.transport,
                 "receive": pool == "decode",
-                "with_checksums": self.kv_checksums,
+                "integrity": self.kv_integrity,
                 "host": self.kv_host,
                 "advertise_host": self.kv_advertise_host,
             }

@@ -37,11 +37,11 @@ class TransferConnector:
         receive: bool = False,
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
-        with_checksums: bool = True,
+        integrity: str = "crc32",  # none | crc32 | mac: each chunk's check of its payload (protocol)
         max_queue: int = 1024,  # items are (request, layer) references, not copies
     ) -> None:
         self.transport = get_transport(backend)
-        self.sender = KVSender(layout, model_id, self.transport, max_queue=max_queue, with_checksums=with_checksums)
+        self.sender = KVSender(layout, model_id, self.transport, max_queue=max_queue, integrity=integrity)
         self.receiver: KVReceiver | None = None
         self.endpoint: str | None = None
         if receive:

@@ -6,9 +6,17 @@
                src_region, src_offset, ... (a pulled chunk: where the receiver reads the blocks)}
     mac     = HMAC-SHA256(ticket secret, msgpack(header without mac))
 
-The checksum (CRC-32 of the payload) sits inside the authenticated header, so a corrupted payload
-is detected and a forged header is refused. Nothing is unpickled: headers are msgpack, payloads
-are reinterpreted as tensors of the ticket's dtype and shape.
+The payload's check sits inside the authenticated header, so a forged header is refused and a
+payload that does not match its check is refused too. The check is the sender's choice (the
+``integrity`` of kv_transfer.sender), and the receiver verifies whichever the signed header carries:
+
+    none    no check of the payload (the header is still signed)
+    crc32   an int: CRC-32 of the payload. Catches corruption, not tampering: anyone on the path
+            who can change the payload can make its CRC match
+    mac     16 bytes: HMAC-SHA256 of the payload under the ticket's secret, truncated. Catches both
+
+Nothing is unpickled: headers are msgpack, payloads are reinterpreted as tensors of the ticket's
+dtype and shape.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ class ChunkHeader:
     num_heads: int = 0
     num_blocks: int = 0
     nbytes: int = 0
-    checksum: int | None = None
+    checksum: int | bytes | None = None  # CRC-32 (int) or keyed MAC (bytes) of the payload
     first_token_id: int | None = None
     num_layers_sent: int = 0
     # A pulled chunk carries no payload: the receiver reads the sender's blocks in place, from a
@@ -59,7 +67,7 @@ class ChunkHeader:
     run_lengths: list[int] | None = None
     # A pulled chunk may name several layers (those queued at the sender): [layer, src_region,
     # src_offset, checksum] each, in place of the single layer above.
-    batch: list[list[int | None]] | None = None
+    batch: list[list[int | bytes | None]] | None = None
 
     @property
     def pulled(self) -> bool:
@@ -69,12 +77,41 @@ class ChunkHeader:
 _FIELDS = tuple(f.name for f in fields(ChunkHeader))
 
 
+INTEGRITY_MODES = ("none", "crc32", "mac")
+_PAYLOAD_MAC_BYTES = 16
+
+
 def checksum(*parts: bytes | memoryview) -> int:
     """CRC-32 of the parts taken one after another, as one payload (a payload sent in pieces)."""
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
     return crc
+
+
+def payload_mac(key: bytes, *parts: bytes | memoryview) -> bytes:
+    """HMAC-SHA256 of the parts as one payload under ``key`` (the ticket's secret), truncated to 16
+    bytes. hashlib hashes without the GIL: the sending and receiving threads do not stall the engine's."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()[:_PAYLOAD_MAC_BYTES]
+
+
+def payload_check(integrity: str, key: bytes, *parts: bytes | memoryview) -> int | bytes | None:
+    """What a header carries for this payload under ``integrity`` (one of INTEGRITY_MODES)."""
+    if integrity == "mac":
+        return payload_mac(key, *parts)
+    return checksum(*parts) if integrity == "crc32" else None
+
+
+def payload_matches(expected: int | bytes | None, key: bytes, *parts: bytes | memoryview) -> bool:
+    """Whether the payload passes the check its (authenticated) header carries."""
+    if expected is None:
+        return True
+    if isinstance(expected, bytes):
+        return hmac.compare_digest(payload_mac(key, *parts), expected)
+    return checksum(*parts) == expected
 
 
 def _mac(secret: bytes, body: bytes) -> bytes:

@@ -27,7 +27,14 @@ import torch
 
 from common.kv_layout import KVCacheLayout
 from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, plan_block_copy, scatter_plan, stacked_layers
-from kv_transfer.protocol import MAX_DIRECT_RUNS, ChunkHeader, ProtocolError, checksum, decode_header, peek_request_id
+from kv_transfer.protocol import (
+    MAX_DIRECT_RUNS,
+    ChunkHeader,
+    ProtocolError,
+    decode_header,
+    payload_matches,
+    peek_request_id,
+)
 from kv_transfer.resharding import plan_transfer, senders_for, shard_heads
 from kv_transfer.state import TransferState, TransferStats
 from kv_transfer.ticket import KVTicket, TicketError
@@ -291,8 +298,9 @@ class KVReceiver:
             views = write.views()
             parts = views if views is not None else [memoryview(t.cpu().numpy()) for t in write.targets]
             per_layer = len(parts) // len(write.layers)
+            secret = write.incoming.ticket.secret
             intact = [
-                header.checksum is None or checksum(*parts[i * per_layer : (i + 1) * per_layer]) == header.checksum
+                payload_matches(header.checksum, secret, *parts[i * per_layer : (i + 1) * per_layer])
                 for i, header in enumerate(write.layers)
             ]
         elif received:
@@ -393,7 +401,7 @@ class KVReceiver:
                 and type(entry[0]) is int
                 and type(entry[1]) is int
                 and type(entry[2]) is int
-                and (entry[3] is None or type(entry[3]) is int)
+                and (entry[3] is None or type(entry[3]) in (int, bytes))
             ):
                 self._refuse("malformed", f"batch entry {entry!r} is not [layer, region, offset, checksum]")
         # One constructor call per layer, not dataclasses.replace (~4x slower: it reads every field
@@ -432,7 +440,7 @@ class KVReceiver:
             self._verify_pulled(incoming, header, dst)
         else:
             target = self._target_view(incoming, header, payload)
-            if header.checksum is not None and checksum(payload) != header.checksum:
+            if not payload_matches(header.checksum, incoming.ticket.secret, payload):
                 self._checksum_failed(incoming, header)
             copy_blocks(dst, target, incoming.scatter)
         self._landed(incoming, [header], [key], header.nbytes if header.pulled else len(payload), header.pulled)
@@ -450,7 +458,7 @@ class KVReceiver:
             self._refuse("shape", f"a payload of {len(view)} bytes for {len(layers)} layers")
         first = self._target_view(incoming, layers[0], view[:per_layer])  # every layer has its shape
         for i, header in enumerate(layers):
-            if header.checksum is not None and checksum(view[i * per_layer : (i + 1) * per_layer]) != header.checksum:
+            if not payload_matches(header.checksum, incoming.ticket.secret, view[i * per_layer : (i + 1) * per_layer]):
                 self._checksum_failed(incoming, header)
         consecutive = all(header.layer == layers[0].layer + i for i, header in enumerate(layers))
         if self._stacked is None or not consecutive:
@@ -527,7 +535,9 @@ class KVReceiver:
 
     @staticmethod
     def _pulled_intact(incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> bool:
-        return header.checksum is None or checksum(_payload_bytes(dst, incoming.scatter)) == header.checksum
+        if header.checksum is None:
+            return True
+        return payload_matches(header.checksum, incoming.ticket.secret, _payload_bytes(dst, incoming.scatter))
 
     def _checksum_failed(self, incoming: _Incoming, header: ChunkHeader) -> NoReturn:
         self._fail(incoming, f"checksum mismatch in layer {header.layer}")

@@ -36,7 +36,14 @@ import torch
 from common.kv_layout import KVCacheLayout
 from common.openmp import run_tensor_ops_serially
 from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, gather_plan, plan_block_copy, stacked_layers
-from kv_transfer.protocol import MAX_DIRECT_PIECES, MAX_DIRECT_RUNS, ChunkHeader, checksum, encode_header
+from kv_transfer.protocol import (
+    INTEGRITY_MODES,
+    MAX_DIRECT_PIECES,
+    MAX_DIRECT_RUNS,
+    ChunkHeader,
+    encode_header,
+    payload_check,
+)
 from kv_transfer.resharding import segments_from
 from kv_transfer.state import TransferState, TransferStats
 from kv_transfer.ticket import KVTicket
@@ -90,12 +97,14 @@ class KVSender:
         transport: KVTransport,
         *,
         max_queue: int = 64,
-        with_checksums: bool = True,
+        integrity: str = "crc32",
     ) -> None:
         self.layout = layout
         self.model_id = model_id
         self.transport = transport
-        self.with_checksums = with_checksums
+        if integrity not in INTEGRITY_MODES:
+            raise ValueError(f"integrity={integrity!r}: use one of {', '.join(INTEGRITY_MODES)}")
+        self.integrity = integrity  # what each chunk's header carries to check its payload (protocol)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing] = {}
@@ -321,8 +330,9 @@ class KVSender:
         else:
             for i, (_, kv) in enumerate(group):
                 copy_blocks(stacked[i], kv.narrow(3, seg.src_head_offset, seg.num_heads), out.gather)
-        entries: list[list[int | None]] = [
-            [layer, -1, 0, checksum(_payload(stacked[i].cpu())) if self.with_checksums else None]
+        checked = self.integrity != "none"  # (a GPU layer comes to the host only to be hashed)
+        entries: list[list[int | bytes | None]] = [
+            [layer, -1, 0, self._check(ticket, _payload(stacked[i].cpu())) if checked else None]
             for i, (layer, _) in enumerate(group)
         ]
         header = replace(
@@ -347,9 +357,9 @@ class KVSender:
         entries = []
         for (layer, kv), (region, offset) in zip(layers, sources, strict=True):
             crc = None
-            if self.with_checksums:  # the checksum covers the bytes as a payload would carry them
+            if self.integrity != "none":  # the check covers the bytes as a payload would carry them
                 blocks = self._gather_blocks(kv, out.gather)
-                crc = checksum(_payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads)))
+                crc = self._check(ticket, _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads)))
             entries.append((layer, region, offset, crc))
         first_layer, region, offset, crc = entries[0]
         header = replace(
@@ -414,7 +424,7 @@ class KVSender:
             entries = []
             for layer, kv in group:
                 # Over the bytes in payload order, as the receiver checks them.
-                crc = self._spans_checksum(kv, spans) if self.with_checksums else None
+                crc = self._spans_check(ticket, kv, spans) if self.integrity != "none" else None
                 entries.append([layer, -1, 0, crc])
             header = replace(
                 self._layer_header(ticket, group[0][0], seg, layer_bytes, None),
@@ -453,13 +463,15 @@ class KVSender:
         out.stats.num_bytes += nbytes
         return True
 
-    @staticmethod
-    def _spans_checksum(kv: torch.Tensor, spans: list[tuple[int, int]]) -> int:
+    def _check(self, ticket: KVTicket, *parts: memoryview) -> int | bytes | None:
+        return payload_check(self.integrity, ticket.secret, *parts)
+
+    def _spans_check(self, ticket: KVTicket, kv: torch.Tensor, spans: list[tuple[int, int]]) -> int | bytes | None:
         if kv.device.type == "cpu":
             flat = _payload(kv)
-            return checksum(*(flat[offset : offset + length] for offset, length in spans))
+            return self._check(ticket, *(flat[offset : offset + length] for offset, length in spans))
         flat_gpu = kv.view(-1).view(torch.uint8)  # only the pieces come to the host, not the whole layer
-        return checksum(*(_payload(flat_gpu.narrow(0, offset, length).cpu()) for offset, length in spans))
+        return self._check(ticket, *(_payload(flat_gpu.narrow(0, offset, length).cpu()) for offset, length in spans))
 
     def _sent_on(self, channel: KVChannel) -> None:
         """A layer chunk left under its request's tag: a pipelining channel reports its verdict later."""
@@ -511,7 +523,7 @@ class KVSender:
             num_heads=seg.num_heads,
             num_blocks=ticket.num_blocks,
             nbytes=nbytes,
-            checksum=checksum(payload) if self.with_checksums and payload is not None else None,
+            checksum=self._check(ticket, payload) if payload is not None else None,
         )
 
     def _send_done(self, out: _Outgoing, first_token_id: int | None) -> None:

@@ -31,3 +31,13 @@ def test_every_backend_gets_a_row_with_its_ceilings(monkeypatch, tmp_path):
     assert "of library" not in rows["tcp"]  # its library is the socket: the ceiling itself
     assert payload["grpc_stream_bytes_per_s"] > 0 and payload["gloo_bytes_per_s"] > 0
     assert json.loads((tmp_path / "kv_transfer.json").read_text())["rows"] == json.loads(json.dumps(payload["rows"]))
+
+
+def test_each_integrity_mode_gets_a_row_set_against_the_unchecked_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    argv = ["--backends", "inproc", "--tokens", "32", "--layouts", "smollm2-135m", "--repeats", "1"]
+    payload = bench_kv_transfer.main([*argv, "--integrity", "none", "crc32", "mac"])
+    rows = {row["integrity"]: row for row in payload["rows"]}
+    assert list(rows) == ["none", "crc32", "mac"] and "vs none" not in rows["none"]
+    for mode in ("crc32", "mac"):
+        assert "note" not in rows[mode] and rows[mode]["vs none"] == rows[mode]["ms"] / rows["none"]["ms"]

@@ -14,7 +14,8 @@ from cluster.cluster_config import ClusterConfig, load_cluster_config
 
 MODEL = "SmolLM2-135M-Instruct"
 # Small KV budgets keep start-up quick; 16 MiB still holds ~350 tokens per shard of SmolLM2.
-# Checksums on in tests (off by default in a deployment): a corrupted transfer must fail loudly here.
+# Payloads checked in tests (off by default in a deployment), by the keyed MAC: a corrupted transfer
+# must fail loudly here.
 # Disaggregated deployments here move every prompt's KV (the transports are what they test) unless
 # a test turns conditional disaggregation on itself.
 BASE = {
@@ -22,7 +23,7 @@ BASE = {
     "kv_cache_memory": 32 * 2**20,
     "dtype": "float32",
     "router.kv_lease_s": 30.0,
-    "kv_checksums": True,
+    "kv_integrity": "mac",
     "router.conditional_disaggregation": False,
 }
 

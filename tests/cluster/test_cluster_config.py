@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cluster_config import ClusterConfig, PoolConfig, RouterConfig, load_cluster_config, parse_override
+from cluster.cluster_config import (
+    KV_INTEGRITY,
+    ClusterConfig,
+    PoolConfig,
+    RouterConfig,
+    load_cluster_config,
+    parse_override,
+)
 from common.config import EngineRole
 from common.errors import ConfigError
 
@@ -71,7 +78,7 @@ def test_empty_file_and_empty_section(tmp_path):
     ("text", "expected"),
     [
         ("prefill.replicas=2", ("prefill.replicas", 2)),
-        ("kv_checksums=false", ("kv_checksums", False)),
+        ("kv_integrity=mac", ("kv_integrity", "mac")),
         ("model=/models/Qwen3-0.6B-Q8_0.gguf", ("model", "/models/Qwen3-0.6B-Q8_0.gguf")),
         ("max_model_len=null", ("max_model_len", None)),
         ("router.kv_lease_s=2.5", ("router.kv_lease_s", 2.5)),
@@ -114,7 +121,7 @@ def test_nested_unknown_key_lists_allowed_keys(tmp_path):
         ("prefill: [1, 2]\n", r"'prefill' of .* must be a mapping of keys, got \[1, 2\] \(list\)"),
         ("port: '8000'\n", r"port: expected int, got '8000' \(str\)"),
         ("model: 7\n", r"model: expected str or null, got 7 \(int\)"),
-        ("kv_checksums: 1\n", r"kv_checksums: expected bool, got 1 \(int\)"),
+        ("kv_integrity: 1\n", r"kv_integrity: expected str, got 1 \(int\)"),
         ("router:\n  kv_lease_s: soon\n", r"router\.kv_lease_s: expected float, got 'soon'"),
         ("- mode\n", r"must hold a mapping of keys at the top level, got list"),
     ],
@@ -130,6 +137,7 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
         ({"mode": "split"}, r"mode='split' is not supported; use one of auto, disagg, colocated"),
         ({"transport": "inproc"}, r"transport='inproc' cannot cross processes"),
         ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of shm, grpc, torch, tcp"),
+        ({"kv_integrity": "sha1"}, r"kv_integrity='sha1' is not supported; use one of none, crc32, mac"),
         ({"dtype": "float64"}, r"dtype='float64' is not supported"),
         ({"device": "tpu"}, r"device='tpu' is not supported"),
         ({"block_size": 12}, r"block_size=12 must be a power of two"),
@@ -172,7 +180,7 @@ def test_engine_config_disagg():
             "kv_cache_memory": 0.5,
             "enable_prefix_caching": False,
             "transport": "grpc",
-            "kv_checksums": False,
+            "kv_integrity": "crc32",
             "prefill.tensor_parallel_size": 2,
             "prefill.max_prefill_chunk": 128,
             "decode.max_num_seqs": 16,
@@ -189,13 +197,13 @@ def test_engine_config_disagg():
     assert prefill.cache.enable_prefix_caching is False
     assert prefill.kv_connector.factory == "kv_transfer.connector:TransferConnector"
     hosts = {"host": "127.0.0.1", "advertise_host": None}
-    assert prefill.kv_connector.options == {"backend": "grpc", "receive": False, "with_checksums": False, **hosts}
+    assert prefill.kv_connector.options == {"backend": "grpc", "receive": False, "integrity": "crc32", **hosts}
 
     decode = config.engine_config("decode")
     assert decode.scheduler.role is EngineRole.DECODE
     assert decode.parallel.tensor_parallel_size == 1
     assert decode.scheduler.max_num_seqs == 16
-    assert decode.kv_connector.options == {"backend": "grpc", "receive": True, "with_checksums": False, **hosts}
+    assert decode.kv_connector.options == {"backend": "grpc", "receive": True, "integrity": "crc32", **hosts}
     # Conditional disaggregation (on by default) chunks the prompts decode computes itself.
     assert decode.scheduler.max_decode_stall_s == config.router.local_prefill_max_stall_s == 0.05
     assert prefill.scheduler.max_decode_stall_s is None
@@ -408,3 +416,9 @@ def test_a_pools_decode_stall_reaches_its_engine():
     assert pure.engine_config("decode").scheduler.max_decode_stall_s is None
     with pytest.raises(ConfigError, match=r"max_decode_stall_s=-1(\.0)? must be >= 0"):
         load_cluster_config(overrides={"colocated.max_decode_stall_s": -1.0})
+
+
+def test_the_kv_integrity_modes_are_the_protocol_s():
+    from kv_transfer.protocol import INTEGRITY_MODES
+
+    assert KV_INTEGRITY == INTEGRITY_MODES

@@ -108,7 +108,7 @@ def transfer(
     dst_blocks=None,
     lease_s=30.0,
     seed=0,
-    with_checksums=True,
+    integrity="crc32",
     **shape,
 ):
     """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side)."""
@@ -122,7 +122,7 @@ def transfer(
     ticket = make_ticket("req-1", transport.name, endpoints, dst.layouts[0], "m", dst_blocks, num_tokens, lease_s)
     for rx in receivers:
         rx.expect(ticket)
-    senders = [KVSender(src.layouts[s], "m", transport, with_checksums=with_checksums) for s in range(sender_tp)]
+    senders = [KVSender(src.layouts[s], "m", transport, integrity=integrity) for s in range(sender_tp)]
     for s, sender in enumerate(senders):
         sender.start(ticket, src_blocks)
         for layer, kv in enumerate(src.caches[s]):

@@ -188,7 +188,7 @@ def test_a_pulled_chunk_with_the_right_checksum_lands(pulled_chunk):
 
 
 def test_sender_checksums_cover_pulled_chunks(transport):
-    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, with_checksums=True)
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, integrity="crc32")
     (status,) = wait_terminal([lambda: receivers[0].poll("req-1")])
     assert status.state is TransferState.DONE
     assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)

@@ -4,12 +4,13 @@ end in a terminal state with the reason, within the lease, writing nothing they 
 from __future__ import annotations
 
 import time
+import zlib
 
 import pytest
 import torch
 
 from kv_transfer import KVReceiver, KVSender, TicketError, TransferState, make_ticket
-from kv_transfer.protocol import ChunkHeader, encode_header
+from kv_transfer.protocol import ChunkHeader, encode_header, payload_check, payload_mac, payload_matches
 from kv_transfer.transport import TransferRefused, available_backends
 from tests.kv_transfer.harness import (
     assert_bit_exact,
@@ -90,7 +91,7 @@ def test_layers_arrive_before_later_layers_are_produced(transport):
     sender.close()
 
 
-def _layer0_chunk(num_heads: int, checksum: int | None = None) -> tuple[ChunkHeader, bytes]:
+def _layer0_chunk(num_heads: int, checksum: int | bytes | None = None) -> tuple[ChunkHeader, bytes]:
     """A hand-made layer-0 chunk of ones for the 4-block, 8-dim test layout (not from a KVSender)."""
     payload = torch.ones(2, 4, 4, num_heads, 8).numpy().tobytes()
     header = layer_chunk_header(num_heads=num_heads, num_blocks=4, nbytes=len(payload), checksum=checksum)
@@ -143,6 +144,51 @@ def test_corrupted_payload_fails_on_checksum(transport):
     assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
 
 
+@pytest.mark.parametrize("integrity", ["none", "crc32", "mac"])
+@pytest.mark.parametrize(("sender_tp", "receiver_tp"), [(1, 1), (2, 1)])
+def test_every_integrity_mode_moves_the_blocks_bit_exact(transport, integrity, sender_tp, receiver_tp):
+    # (1, 1): in place where the backend can; (2, 1): resharded, gathered copies or pulled heads.
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transport, sender_tp, receiver_tp, total_kv_heads=2, integrity=integrity
+    )
+    states = wait_terminal(
+        [lambda r=r: r.poll("req-1") for r in receivers] + [lambda s=s: s.poll("req-1") for s in senders]
+    )
+    assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    for s in senders:
+        s.close()
+
+
+def test_a_payload_changed_after_its_mac_was_taken_is_refused(transport):
+    receiver, ticket, dst = _one_receiver(transport)
+    header, payload = _layer0_chunk(num_heads=2)
+    tampered = bytearray(payload)
+    tampered[len(tampered) // 2] ^= 0x40
+    header.checksum = payload_mac(ticket.secret, payload)
+    with pytest.raises(TransferRefused, match="checksum"):
+        transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), bytes(tampered), 5)
+    status = receiver.poll("req-1")
+    assert status.state is TransferState.FAILED and "checksum" in status.reason
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
+def test_a_mac_under_another_key_is_refused_and_the_right_one_lands(transport):
+    receiver, ticket, dst = _one_receiver(transport)
+    header, payload = _layer0_chunk(num_heads=2)
+    header.checksum = payload_mac(b"not the ticket's secret", payload)
+    channel = transport.connect(ticket.receiver_endpoints[0])
+    with pytest.raises(TransferRefused, match="checksum"):
+        channel.send(encode_header(header, ticket.secret), payload, 5)
+    assert receiver.poll("req-1").state is TransferState.FAILED
+
+    receiver, ticket, dst = _one_receiver(transport)  # a fresh transfer, MAC'd under its own secret
+    header.checksum = payload_mac(ticket.secret, payload)
+    transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), payload, 5)
+    assert receiver.poll("req-1").state is not TransferState.FAILED
+    assert torch.count_nonzero(dst.caches[0][0]) > 0
+
+
 def test_mismatched_layout_is_refused_at_ticket_time(transport):
     _, ticket, _ = _one_receiver(transport)
     for bad, match in [
@@ -193,3 +239,19 @@ def test_a_chunk_with_fewer_heads_than_planned_is_refused(transport):
     with pytest.raises(TransferRefused, match="planned"):
         transport.connect(ticket.receiver_endpoints[0]).send(encode_header(header, ticket.secret), payload, 5)
     assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+
+
+def test_payload_checks_per_mode():
+    payload, key = bytes(range(256)) * 64, b"k" * 32
+    parts = (payload[:1000], memoryview(payload)[1000:])  # a payload sent in pieces checks as one
+    assert payload_check("none", key, *parts) is None
+    assert payload_check("crc32", key, *parts) == zlib.crc32(payload)
+    mac = payload_check("mac", key, *parts)
+    assert isinstance(mac, bytes) and len(mac) == 16 and mac == payload_mac(key, payload)
+    assert mac != payload_mac(b"j" * 32, payload)
+    changed = bytes([payload[0] ^ 1]) + payload[1:]
+    for expected in (zlib.crc32(payload), mac):
+        assert payload_matches(expected, key, *parts) and not payload_matches(expected, key, changed)
+    assert payload_matches(None, key, changed)
+    with pytest.raises(ValueError, match="integrity='sha1'"):
+        KVSender(layout_for(1, 0), "m", transport_named("inproc"), integrity="sha1")
