@@ -475,7 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
                 try:
                     pair = Pair(backend, LAYOUTS[name], tokens, args.fragmented, integrity)
                 except Exception as exc:  # a backend that cannot start here is reported, not fatal
-                    rows.append({"backend": backend, "layout": name, "tokens": tokens, "note": f"{exc}"[:60]})
+                    row = {"backend": backend, "layout": name, "tokens": tokens, "integrity": integrity}
+                    rows.append({**row, "note": f"{exc}"[:60]})
                     continue
                 try:
                     pair.run()  # warm-up: connections, staging buffers

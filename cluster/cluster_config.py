@@ -345,8 +345,14 @@ def _hints(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
+# Keys that were renamed: a configuration written for the old name is told the new one.
+_RENAMED = {"kv_checksums": "kv_integrity (none | crc32 | mac; kv_checksums: true was crc32)"}
+
+
 def _unknown(key: object, known: list[str], section: str, source: str) -> ConfigError:
     path = f"{section}.{key}" if section else str(key)
+    if path in _RENAMED:
+        return ConfigError(f"unknown key '{path}' in {source}: it is now {_RENAMED[path]}")
     close = difflib.get_close_matches(str(key), known, n=1)
     if close:
         suggestion = f"{section}.{close[0]}" if section else close[0]

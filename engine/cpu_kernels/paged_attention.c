@@ -227,6 +227,7 @@ static void NAME##_scores(const float *q, const T *query_row, float scale, const
         WIDE_SCORES(T, LOAD16)                                                                          \
         return;                                                                                         \
     }                                                                                                   \
+    PREFETCH_FIRST(key_cache, limit, head_dim * (int64_t)sizeof(T))                                     \
     for (int64_t pos = 0; pos < limit; pos++) {                                                         \
         if ((pos & 15) == 0) PREFETCH_ROWS(key_cache, pos + PREFETCH_AHEAD, limit, head_dim * (int64_t)sizeof(T))   \
         const T *k = ROW_AT(key_cache, pos);                                                            \

@@ -104,6 +104,11 @@ def test_typo_suggests_closest_key(tmp_path):
         load_cluster_config(overrides={"trasnport": "grpc"})
 
 
+def test_a_renamed_key_names_its_new_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'kv_checksums' in .*: it is now kv_integrity \(none \| crc32"):
+        load_cluster_config(write(tmp_path, "kv_checksums: true\n"))
+
+
 def test_nested_unknown_key_lists_allowed_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key 'prefill\.tp' .*allowed keys under 'prefill': replicas, "):
         load_cluster_config(write(tmp_path, "prefill:\n  tp: 2\n"))

@@ -13,11 +13,13 @@ from engine.layers.linear import cpu_packing_available, linear, linear_modules, 
 from engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(
-    not cpu_packing_available(CPU, torch.bfloat16), reason="torch built without oneDNN (mkldnn)"
-)
 
 
+def needs_packing(dtype: torch.dtype) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not cpu_packing_available(CPU, dtype), reason=f"the engine does not pack {dtype} here")
+
+
+@needs_packing(torch.bfloat16)
 @pytest.mark.parametrize("rows", [1, 3, 64, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_packed_bfloat16_product_is_f_linear(rows, with_bias):
@@ -32,6 +34,7 @@ def test_the_packed_bfloat16_product_is_f_linear(rows, with_bias):
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2**-7)
 
 
+@needs_packing(torch.float32)
 @pytest.mark.parametrize("rows", [1, 3, 64, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_packed_float32_product_is_f_linear_to_float32_rounding(rows, with_bias):
@@ -54,7 +57,13 @@ def runner(model_dir, dtype: str) -> ModelRunner:
     return ModelRunner(config, model_dir, TensorParallel.single(CPU))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param("bfloat16", marks=needs_packing(torch.bfloat16)),
+        pytest.param("float32", marks=needs_packing(torch.float32)),
+    ],
+)
 def test_a_runner_packs_every_linear_weight(tiny_dir, monkeypatch, dtype):
     packed = runner(tiny_dir, dtype)
     with monkeypatch.context() as patch:
@@ -72,6 +81,7 @@ def test_a_runner_packs_every_linear_weight(tiny_dir, monkeypatch, dtype):
         )
 
 
+@needs_packing(torch.bfloat16)
 def test_packing_releases_the_plain_weights_but_not_the_tied_embedding(tiny_dir):
     model = runner(tiny_dir, "bfloat16").model
     for layer in model.model.layers:
