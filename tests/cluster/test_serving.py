@@ -276,6 +276,7 @@ def test_32_concurrent_streams_each_get_their_own_tokens(cluster, expected):
     cluster.wait_idle()
 
 
+@pytest.mark.chaos
 def test_a_burst_of_64_waits_for_kv_blocks_and_ends_with_no_error_and_nothing_leaked(cluster, expected):
     # 32 MiB a shard holds ~45 blocks of SmolLM2 in float32; 64 requests want ~130 at once, so most
     # decode reservations wait in the replica's FIFO for blocks to free instead of being refused.
@@ -360,6 +361,7 @@ def test_after_the_fuzzing_no_block_is_held_and_answers_are_unchanged(cluster, e
     assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
 
 
+@pytest.mark.chaos
 def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
     cluster.ensure(**DISAGG, transport="shm")
     connection = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=120)
@@ -540,6 +542,7 @@ OPS = {
 }
 
 
+@pytest.mark.chaos
 def test_overload_is_refused_with_503_and_retry_after(cluster):
     cluster.ensure(**OPS)
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
@@ -561,6 +564,7 @@ def test_overload_is_refused_with_503_and_retry_after(cluster):
     cluster.wait_idle()
 
 
+@pytest.mark.chaos
 def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, expected):
     cluster.ensure(**OPS)
     prompt, max_tokens = PROMPTS[2], 96
@@ -583,6 +587,7 @@ def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, 
     cluster.wait_idle(timeout_s=180)  # Serve replaces the dead replica; the survivors hold nothing
 
 
+@pytest.mark.chaos
 def test_scaling_each_pool_under_steady_load_fails_no_request(cluster, expected):
     cluster.ensure(**{**OPS, "router.max_concurrent_requests": 64})
     stop = threading.Event()
@@ -623,6 +628,7 @@ def scale(config, **counts):
     return scaled(config, counts)
 
 
+@pytest.mark.chaos
 def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expected, tokenizer):
     cluster.ensure(**{**OPS, "router.max_concurrent_requests": 64, "prefill.replicas": 2})
     status = cluster.status()

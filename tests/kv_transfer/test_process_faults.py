@@ -36,6 +36,7 @@ def _sender_process(backend: str, ticket: dict, done_layers: mp.Queue, shared: b
     time.sleep(60)  # killed before sending the other layers
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True], ids=["staged", "pulled"])
 def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease(shared):
@@ -73,6 +74,7 @@ def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease(shared):
         proc.kill()
 
 
+@pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True], ids=["staged", "pulled"])
 def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry(shared):

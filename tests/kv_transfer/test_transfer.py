@@ -119,6 +119,7 @@ def test_wrong_secret_is_refused_and_writes_nothing(transport):
     assert receiver.poll("req-1").state is TransferState.PENDING  # an outsider cannot cancel the transfer
 
 
+@pytest.mark.chaos
 def test_expired_lease_fails_both_sides_and_writes_nothing(transport):
     receiver, ticket, dst = _one_receiver(transport, lease_s=0.3)
     src, _ = make_side(1, fill=True, shared=pulls(transport))
@@ -134,6 +135,7 @@ def test_expired_lease_fails_both_sides_and_writes_nothing(transport):
     sender.close()
 
 
+@pytest.mark.chaos
 def test_corrupted_payload_fails_on_checksum(transport):
     receiver, ticket, dst = _one_receiver(transport)
     header, payload = _layer0_chunk(num_heads=2, checksum=12345)
@@ -160,6 +162,7 @@ def test_every_integrity_mode_moves_the_blocks_bit_exact(transport, integrity, s
         s.close()
 
 
+@pytest.mark.chaos
 def test_a_payload_changed_after_its_mac_was_taken_is_refused(transport):
     receiver, ticket, dst = _one_receiver(transport)
     header, payload = _layer0_chunk(num_heads=2)
