@@ -43,6 +43,7 @@ from engine.llm_engine import LLMEngine
 GEMM_ROWS = (1, 32, 64, 256, 2048)
 PREFILL_PROMPTS, PREFILL_LEN = 8, 256
 DECODE_BATCH, DECODE_CONTEXT = 64, 320
+PREFILL_STEPS_MAX = 48  # steps that may bring the decode batch's prompts in
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -163,15 +164,22 @@ def time_decode(
 ) -> tuple[list[tuple[float, float]], int]:
     """(seconds, ceiling) pairs of pure decode steps with len(prompts) sequences, each followed by a
     measurement of ``ceiling()``; and the mean context."""
-    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 4, ignore_eos=True)
+    # Room for the tokens the prefill steps sample too (a prompt prefilled in the first of ~10
+    # steps decodes through the rest): every sequence must still run in the last timed step.
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + PREFILL_STEPS_MAX, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"d{i}", prompt, params)
+    prefill_steps = 0
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.iter_live()):
         engine.step()
+        prefill_steps += 1
+    assert prefill_steps < PREFILL_STEPS_MAX, "raise PREFILL_STEPS_MAX: sequences would finish while timed"
     engine.step()
     pairs, contexts = [], []
     for _ in range(num_steps):
-        contexts.append(statistics.mean(r.num_tokens for r in engine.scheduler.running))
+        running = engine.scheduler.running
+        assert len(running) == len(prompts), f"{len(running)} of {len(prompts)} sequences running"
+        contexts.append(statistics.mean(r.num_tokens for r in running))
         start = time.perf_counter()
         engine.step()
         pairs.append((time.perf_counter() - start, ceiling()))

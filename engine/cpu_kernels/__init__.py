@@ -3,7 +3,7 @@
     paged_attention.c  attention that reads keys/values in place from the block-paged KV cache
                        (decodes: one query row a sequence)
     prefill_attention.c  the same contract tiled for prefill chunks (16 query rows an item), every
-                       chunk of a step in one call
+                       chunk of a step in one call (bfloat16 on AVX512_BF16: the native pair dot)
     fused.c            RMSNorm (+ the residual add), SiLU-and-multiply, rotary embedding in place
 
 Why C and not torch ops: at batch 1 a Llama layer was ~40 small torch ops whose dispatch cost

@@ -2,8 +2,9 @@
 
 The tiled kernel (``prefill_attention.c``: float32 FMAs on AVX-512) beat torch's SDPA flash
 kernel by 1.5-1.8x on an AMD EPYC without AMX (SmolLM2's heads, 8 x 256-token prompts: 7-8 ms a
-layer against 11-13), but on a Xeon with AMX bfloat16 SDPA ran at 2.6 ms a layer, where an
-earlier kernel of ours took 8.5: neither wins everywhere. So the engine times both on a
+layer against 11-13; its bfloat16 pair-dot path since 2026-12-03: 3.6-4.4), but on a Xeon with
+AMX bfloat16 SDPA ran at 2.6 ms a layer, where an earlier kernel of ours took 8.5 (the pair-dot
+path is not yet measured there): neither wins everywhere. So the engine times both on a
 prompt-sized chunk of the model's own head shape at start-up (~0.1 s) and logs the choice; the
 kernel must win by a margin, so that a noisy probe on a machine where they are close keeps torch's
 path. ``PDSERVE_PREFILL_ATTENTION=tiled|sdpa`` pins the choice.

@@ -105,6 +105,23 @@ def test_paged_attention_matches_sdpa_over_gathered_blocks(dtype, heads, kv_head
         assert (got - ref).abs().max().item() < TOLERANCE[dtype], f"sequence {s} ({rows} rows, context {ctx})"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
+def test_slots_past_the_context_are_never_weighed(dtype, kernel):
+    """A block's slots past a sequence's context hold whatever was there (NaN here): a weight of 0
+    times NaN is NaN, so no kernel may let them into a sum (the bf16 prefill kernel packs zeros)."""
+    key_cache, value_cache = paged_cache(4, 16, 3, 64, dtype, seed=5)
+    key_cache[1, 5:], value_cache[1, 5:] = float("nan"), float("nan")  # context 21: block 1 holds 5
+    query = torch.randn(21, 9, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    out = torch.empty_like(query)
+    table = torch.tensor([[2, 1]])
+    getattr(KERNELS, kernel)(
+        query, key_cache, value_cache, out, table, torch.tensor([0]), torch.tensor([21]), torch.tensor([21]), 0.125
+    )
+    ref = reference_attention(query, key_cache, value_cache, table[0], 21, 0.125)
+    assert (out.float() - ref).abs().max().item() < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
 def test_paged_attention_reads_strided_query_rows(kernel):
     """Query heads may be a view into the fused qkv projection's output (rows strided)."""
