@@ -379,6 +379,51 @@ def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
     assert status["metrics"]["outcomes"].get("cancelled", 0) >= 1
 
 
+@pytest.mark.chaos
+def test_a_hundred_streaming_clients_gone_at_once_leak_nothing(cluster, expected):
+    """100 streams opened together (far more than the decode pool's KV holds: most wait for blocks
+    in its FIFO, some are prefilling, a few decode), every client gone at once as soon as ten have
+    a token. Every request ends, both pools drain to zero blocks, the next request is exact."""
+    cluster.ensure(**DISAGG, transport="shm")
+    body = {"max_tokens": 200, "stream": True, "ignore_eos": True, "model": MODEL}
+
+    async def open_stream(i: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.port)
+        payload = json.dumps({**body, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (client {i})"}).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
+        return reader, writer
+
+    async def first_token(reader: asyncio.StreamReader) -> bool:
+        while line := await reader.readline():
+            if line.startswith(b"data: {"):
+                return True
+        return False  # the response ended without a token (an error status)
+
+    async def drill() -> int:
+        streams = await asyncio.gather(*(open_stream(i) for i in range(100)))
+        pending = {asyncio.ensure_future(first_token(reader)) for reader, _ in streams}
+        with_token, deadline = 0, time.monotonic() + 120
+        while pending and with_token < 10 and time.monotonic() < deadline:
+            done, pending = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            with_token += sum(task.result() for task in done)
+        for _, writer in streams:  # every client at once
+            writer.transport.abort()
+        for task in pending:
+            task.cancel()
+        return with_token
+
+    assert asyncio.run(drill()) >= 10
+    status = cluster.wait_idle(timeout_s=120)
+    outcomes = status["metrics"]["outcomes"]
+    assert outcomes.get("cancelled", 0) >= 80, outcomes  # the rest finished or were refused before
+    assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
+
+
 # --- colocated: one deployment of 2 replicas for every colocated test ---------------------------
 # Room for a 1,000-token stream beside the prompts (32 MiB of float32 KV holds ~700 tokens); a
 # stream interval of 4 changes chunking only, which the greedy checks compare as whole texts.

@@ -91,6 +91,57 @@ def test_layers_arrive_before_later_layers_are_produced(transport):
     sender.close()
 
 
+def _layer_by_layer(transport, lease_s: float):
+    """One sender and one receiver shard of the 3-layer test layout, the ticket issued, nothing sent."""
+    src, _ = make_side(1, fill=True, shared=pulls(transport))
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
+    ticket = make_ticket(
+        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s
+    )
+    receiver.expect(ticket)
+    sender = KVSender(src.layouts[0], "m", transport)
+    sender.start(ticket, [7, 8, 9, 10])
+    return src, dst, receiver, sender
+
+
+@pytest.mark.chaos
+def test_a_dropped_layer_chunk_fails_the_transfer_at_its_done(transport):
+    src, dst, receiver, sender = _layer_by_layer(transport, lease_s=30.0)
+    for layer in (0, 2):  # layer 1's chunk is lost on the way
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    sender.finish("req-1", 5)
+    (rx,) = wait_terminal([lambda: receiver.poll("req-1")])
+    assert rx.state is TransferState.FAILED and "missing" in rx.reason, rx
+    assert rx.layers_complete < 3
+    assert torch.count_nonzero(dst.caches[0][1]) == 0  # the lost layer wrote nothing
+    receiver.release("req-1")
+    sender.close()
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("delay_s", [0.3, 1.2])
+def test_a_delayed_layer_chunk_lands_within_the_lease_and_fails_past_it(transport, delay_s):
+    src, dst, receiver, sender = _layer_by_layer(transport, lease_s=0.9)
+    sender.send_layer("req-1", 0, src.caches[0][0])
+    time.sleep(delay_s)  # the network holds layer 1 back
+    for layer in (1, 2):
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    sender.finish("req-1", 5)
+    rx, tx = wait_terminal([lambda: receiver.poll("req-1"), lambda: sender.poll("req-1")])
+    if delay_s < 0.9:
+        assert rx.state is tx.state is TransferState.DONE, (rx, tx)
+        for layer in range(3):  # whole blocks move, the 13 tokens' last one included
+            assert torch.equal(dst.caches[0][layer][:, [1, 2, 3, 4]], src.caches[0][layer][:, [7, 8, 9, 10]])
+    else:
+        assert rx.state is TransferState.FAILED and "lease" in rx.reason, rx
+        assert tx.state is TransferState.FAILED, tx
+        # Nothing after the lease was written: layers 1 and 2 of the reserved blocks are still zero.
+        assert all(torch.count_nonzero(dst.caches[0][layer][:, [1, 2, 3, 4]]) == 0 for layer in (1, 2))
+    receiver.release("req-1")
+    sender.close()
+
+
 def _layer0_chunk(num_heads: int, checksum: int | bytes | None = None) -> tuple[ChunkHeader, bytes]:
     """A hand-made layer-0 chunk of ones for the 4-block, 8-dim test layout (not from a KVSender)."""
     payload = torch.ones(2, 4, 4, num_heads, 8).numpy().tobytes()
