@@ -37,7 +37,7 @@ class TransferConnector:
         receive: bool = False,
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
-        integrity: str = "crc32",  # none | crc32 | mac: each chunk's check of its payload (protocol)
+        integrity: str = "crc32",  # none | crc32 | mac: the payload check sent, and the weakest one received
         max_queue: int = 1024,  # items are (request, layer) references, not copies
     ) -> None:
         self.transport = get_transport(backend)
@@ -45,7 +45,7 @@ class TransferConnector:
         self.receiver: KVReceiver | None = None
         self.endpoint: str | None = None
         if receive:
-            self.receiver = KVReceiver(kv_caches, layout, backend)
+            self.receiver = KVReceiver(kv_caches, layout, backend, require_integrity=integrity)
             # Bound on ``host``; named in tickets as ``advertise_host`` (default: ``host``).
             self.endpoint = advertised(self.transport.serve(self.receiver, host), advertise_host)
         self._step_sends: list[str] = []

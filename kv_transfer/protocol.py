@@ -14,6 +14,11 @@ payload that does not match its check is refused too. The check is the sender's 
     crc32   an int: CRC-32 of the payload. Catches corruption, not tampering: anyone on the path
             who can change the payload can make its CRC match
     mac     16 bytes: HMAC-SHA256 of the payload under the ticket's secret, truncated. Catches both
+            (the payload's MAC starts from a label of its own, so it never equals a header's MAC)
+
+A receiver may require a check at least as strong as its own ``require_integrity`` (the cluster's
+``kv_integrity``): a chunk carrying a weaker one fails its transfer, so a sender configured apart
+from its receivers is found at the first chunk, not trusted silently.
 
 Nothing is unpickled: headers are msgpack, payloads are reinterpreted as tensors of the ticket's
 dtype and shape.
@@ -77,8 +82,9 @@ class ChunkHeader:
 _FIELDS = tuple(f.name for f in fields(ChunkHeader))
 
 
-INTEGRITY_MODES = ("none", "crc32", "mac")
+INTEGRITY_MODES = ("none", "crc32", "mac")  # weakest first
 _PAYLOAD_MAC_BYTES = 16
+_PAYLOAD_MAC_LABEL = b"pdserve/kv-payload\x00"  # domain separation from the header's MAC (same key)
 
 
 def checksum(*parts: bytes | memoryview) -> int:
@@ -92,7 +98,7 @@ def checksum(*parts: bytes | memoryview) -> int:
 def payload_mac(key: bytes, *parts: bytes | memoryview) -> bytes:
     """HMAC-SHA256 of the parts as one payload under ``key`` (the ticket's secret), truncated to 16
     bytes. hashlib hashes without the GIL: the sending and receiving threads do not stall the engine's."""
-    mac = hmac.new(key, digestmod=hashlib.sha256)
+    mac = hmac.new(key, _PAYLOAD_MAC_LABEL, digestmod=hashlib.sha256)
     for part in parts:
         mac.update(part)
     return mac.digest()[:_PAYLOAD_MAC_BYTES]
@@ -103,6 +109,18 @@ def payload_check(integrity: str, key: bytes, *parts: bytes | memoryview) -> int
     if integrity == "mac":
         return payload_mac(key, *parts)
     return checksum(*parts) if integrity == "crc32" else None
+
+
+def integrity_of(check: int | bytes | None) -> str:
+    """The mode (one of INTEGRITY_MODES) a header's payload check belongs to."""
+    if check is None:
+        return "none"
+    return "mac" if isinstance(check, bytes) else "crc32"
+
+
+def at_least(check: int | bytes | None, required: str) -> bool:
+    """Whether a payload check is as strong as ``required`` (none < crc32 < mac)."""
+    return INTEGRITY_MODES.index(integrity_of(check)) >= INTEGRITY_MODES.index(required)
 
 
 def payload_matches(expected: int | bytes | None, key: bytes, *parts: bytes | memoryview) -> bool:

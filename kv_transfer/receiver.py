@@ -28,10 +28,13 @@ import torch
 from common.kv_layout import KVCacheLayout
 from kv_transfer.block_copy import BlockCopyPlan, copy_blocks, plan_block_copy, scatter_plan, stacked_layers
 from kv_transfer.protocol import (
+    INTEGRITY_MODES,
     MAX_DIRECT_RUNS,
     ChunkHeader,
     ProtocolError,
+    at_least,
     decode_header,
+    integrity_of,
     payload_matches,
     peek_request_id,
 )
@@ -120,8 +123,13 @@ class ReceiveStatus:
 
 
 class KVReceiver:
-    def __init__(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, backend: str = "") -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, backend: str = "", require_integrity: str = "none"
+    ) -> None:
         assert len(kv_caches) == layout.num_layers, "one KV tensor per layer"
+        if require_integrity not in INTEGRITY_MODES:
+            raise ValueError(f"require_integrity={require_integrity!r}: use one of {', '.join(INTEGRITY_MODES)}")
+        self.require_integrity = require_integrity  # the weakest payload check a chunk may carry
         self.kv_caches = kv_caches
         self._stacked = stacked_layers(kv_caches)  # [layers, ...] when they share one allocation
         # Each contiguous layer as flat bytes: a payload received in place lands in slices of these.
@@ -424,6 +432,11 @@ class KVReceiver:
             self._refuse("duplicate", f"chunk {key} is already being received")
         if header.num_heads != incoming.segment_heads[(header.sender_rank, header.dst_head_offset)]:
             self._refuse("shape", f"chunk {key} carries {header.num_heads} heads, not the planned number")
+        if not at_least(header.checksum, self.require_integrity):
+            # A sender configured apart from this receiver: no later chunk of it will do better.
+            reason = f"a {integrity_of(header.checksum)} payload check; this receiver requires {self.require_integrity}"
+            self._fail(incoming, reason)
+            self._refuse("integrity", f"chunk {key} carries {reason}")
         return key
 
     def _apply_layer(

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from kv_transfer import KVReceiver, KVSender, TicketError, TransferState, make_ticket
-from kv_transfer.protocol import ChunkHeader, encode_header, payload_check, payload_mac, payload_matches
+from kv_transfer.protocol import (
+    ChunkHeader,
+    _mac,
+    at_least,
+    encode_header,
+    payload_check,
+    payload_mac,
+    payload_matches,
+)
 from kv_transfer.transport import TransferRefused, available_backends
 from tests.kv_transfer.harness import (
     assert_bit_exact,
@@ -211,6 +219,50 @@ def test_every_integrity_mode_moves_the_blocks_bit_exact(transport, integrity, s
     assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
     for s in senders:
         s.close()
+
+
+@pytest.mark.parametrize(
+    ("sent", "required", "lands"), [("crc32", "mac", False), ("none", "crc32", False), ("mac", "crc32", True)]
+)
+def test_a_receiver_refuses_a_weaker_payload_check_than_it_requires(transport, sent, required, lands):
+    """A sender configured apart from its receivers is found at the first chunk, not trusted."""
+    src, _ = make_side(1, fill=True, shared=pulls(transport))
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], transport.name, require_integrity=required)
+    ticket = make_ticket(
+        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30.0
+    )
+    receiver.expect(ticket)
+    sender = KVSender(src.layouts[0], "m", transport, integrity=sent)
+    sender.start(ticket, [7, 8, 9, 10])
+    for layer in range(3):
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    sender.finish("req-1", 5)
+    rx, tx = wait_terminal([lambda: receiver.poll("req-1"), lambda: sender.poll("req-1")])
+    if lands:
+        assert rx.state is tx.state is TransferState.DONE, (rx, tx)
+    else:
+        assert rx.state is TransferState.FAILED and f"requires {required}" in rx.reason, rx
+        assert tx.state is TransferState.FAILED, tx
+        assert receiver.refusals["integrity"] >= 1
+        assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    receiver.release("req-1")
+    sender.close()
+
+
+def test_integrity_modes_are_ordered_and_the_payload_mac_is_not_a_header_mac():
+    assert [at_least(check, "crc32") for check in (None, 7, b"x" * 16)] == [False, True, True]
+    assert [at_least(check, "mac") for check in (None, 7, b"x" * 16)] == [False, False, True]
+    assert at_least(None, "none")
+    body = b"the same bytes under the same key"
+    assert payload_mac(b"k" * 32, body) != _mac(b"k" * 32, body)[:16]
+    with pytest.raises(ValueError, match="require_integrity='sha1'"):
+        KVReceiver(*_receiver_parts(), require_integrity="sha1")
+
+
+def _receiver_parts():
+    dst, _ = make_side(1, fill=False)
+    return dst.caches[0], dst.layouts[0]
 
 
 @pytest.mark.chaos
