@@ -304,7 +304,7 @@ DEFINE_PAIR_SCORES(1, 2)
 DEFINE_PAIR_SCORES(8, 1)
 DEFINE_PAIR_SCORES(1, 1)
 
-/* acc[v] += sum over position pairs j < n_pairs of (w_v[2j], w_v[2j+1]) . value pair row j, for
+/* acc[v] = sum over position pairs j < n_pairs of (w_v[2j], w_v[2j+1]) . value pair row j, for
  * n_vec vectors whose weights are rows of bfloat16 pairs (row v at weights + v * stride words);
  * VB vectors at a time hold their C x 16 float32 sums in registers (head_dim = 16 C). */
 #define DEFINE_PAIR_VALUES(C, VB)                                                                       \
