@@ -75,15 +75,7 @@ def test_smollm2_layout_bit_exact(transport):
 
 
 def test_layers_arrive_before_later_layers_are_produced(transport):
-    src, _ = make_side(1, fill=True, shared=pulls(transport))
-    dst, _ = make_side(1, fill=False)
-    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
-    ticket = make_ticket(
-        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30
-    )
-    receiver.expect(ticket)
-    sender = KVSender(src.layouts[0], "m", transport)
-    sender.start(ticket, [7, 8, 9, 10])
+    src, _, receiver, sender = _layer_by_layer(transport, lease_s=30)
     sender.send_layer("req-1", 0, src.caches[0][0])  # layer 0 computed; layers 1-2 not yet
     deadline = time.monotonic() + 10
     while receiver.poll("req-1").layers_complete < 1 and time.monotonic() < deadline:
@@ -99,16 +91,11 @@ def test_layers_arrive_before_later_layers_are_produced(transport):
     sender.close()
 
 
-def _layer_by_layer(transport, lease_s: float):
+def _layer_by_layer(transport, lease_s: float, integrity: str = "crc32", require_integrity: str = "none"):
     """One sender and one receiver shard of the 3-layer test layout, the ticket issued, nothing sent."""
     src, _ = make_side(1, fill=True, shared=pulls(transport))
-    dst, _ = make_side(1, fill=False)
-    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
-    ticket = make_ticket(
-        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s
-    )
-    receiver.expect(ticket)
-    sender = KVSender(src.layouts[0], "m", transport)
+    receiver, ticket, dst = _one_receiver(transport, lease_s, require_integrity)
+    sender = KVSender(src.layouts[0], "m", transport, integrity=integrity)
     sender.start(ticket, [7, 8, 9, 10])
     return src, dst, receiver, sender
 
@@ -157,9 +144,9 @@ def _layer0_chunk(num_heads: int, checksum: int | bytes | None = None) -> tuple[
     return header, payload
 
 
-def _one_receiver(transport, lease_s=30.0):
+def _one_receiver(transport, lease_s=30.0, require_integrity: str = "none"):
     dst, _ = make_side(1, fill=False)
-    receiver = KVReceiver(dst.caches[0], dst.layouts[0])
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], require_integrity=require_integrity)
     ticket = make_ticket(
         "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s
     )
@@ -226,15 +213,7 @@ def test_every_integrity_mode_moves_the_blocks_bit_exact(transport, integrity, s
 )
 def test_a_receiver_refuses_a_weaker_payload_check_than_it_requires(transport, sent, required, lands):
     """A sender configured apart from its receivers is found at the first chunk, not trusted."""
-    src, _ = make_side(1, fill=True, shared=pulls(transport))
-    dst, _ = make_side(1, fill=False)
-    receiver = KVReceiver(dst.caches[0], dst.layouts[0], transport.name, require_integrity=required)
-    ticket = make_ticket(
-        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30.0
-    )
-    receiver.expect(ticket)
-    sender = KVSender(src.layouts[0], "m", transport, integrity=sent)
-    sender.start(ticket, [7, 8, 9, 10])
+    src, dst, receiver, sender = _layer_by_layer(transport, 30.0, integrity=sent, require_integrity=required)
     for layer in range(3):
         sender.send_layer("req-1", layer, src.caches[0][layer])
     sender.finish("req-1", 5)
@@ -253,12 +232,7 @@ def test_a_receiver_refuses_a_weaker_payload_check_than_it_requires(transport, s
 def test_a_batch_of_layers_landed_one_by_one_keeps_its_checks_for_a_receiver_that_requires_them(transport):
     """Layers 0 and 2 in one payload (not consecutive: the receiver lands them one at a time, after
     checking the batch whole) reach a receiver that requires crc32: checked once, not refused."""
-    dst, _ = make_side(1, fill=False)
-    receiver = KVReceiver(dst.caches[0], dst.layouts[0], transport.name, require_integrity="crc32")
-    ticket = make_ticket(
-        "req-1", transport.name, [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30.0
-    )
-    receiver.expect(ticket)
+    receiver, ticket, dst = _one_receiver(transport, require_integrity="crc32")
     layers = {0: torch.full((2, 4, 4, 2, 8), 1.0), 2: torch.full((2, 4, 4, 2, 8), 2.0)}
     parts = {layer: values.numpy().tobytes() for layer, values in layers.items()}
     batch = [[layer, -1, 0, zlib.crc32(part)] for layer, part in parts.items()]
