@@ -193,15 +193,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"mode {status['mode']}  model {status['model']}  in flight {status['in_flight']}")
     print(
         f"{'pool':<10} {'replica':<12} {'cores':<8} {'running':>7} {'waiting':>7} {'reserved':>8} "
-        f"{'KV used':>8} {'held':>5}"
+        f"{'KV used':>8} {'held':>5}  processes (rank 0, shards)"
     )
     for pool, reports in status["pools"].items():
         for r in reports:
             used = 1 - r["num_kv_blocks_free"] / r["num_kv_blocks_total"] if r["num_kv_blocks_total"] else 0.0
             print(
                 f"{pool:<10} {r['replica_id']:<12} {_cores_text(r):<8} {r['num_running']:>7} {r['num_waiting']:>7} "
-                f"{r['num_reserved']:>8} {used:>7.0%} {r['num_blocks_held']:>5}"
+                f"{r['num_reserved']:>8} {used:>7.0%} {r['num_blocks_held']:>5}  {_pids_text(r)}"
             )
+            if r.get("engine_error"):  # Serve's health check replaces it; until then placement skips it
+                print(f"{'':<10} ^ engine stopped: {r['engine_error'][:160]}")
     metrics = status.get("metrics", {})
     medians = ", ".join(
         f"{name} {metrics[key] * 1e3:.0f} ms"
@@ -214,6 +216,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"resumes {status.get('resumes', 0)}"
     )
     return 0
+
+
+def _pids_text(report: dict) -> str:
+    return ",".join(str(pid) for pid in [report.get("pid", 0), *report.get("shard_pids", [])] if pid) or "-"
 
 
 def _cores_text(report: dict) -> str:

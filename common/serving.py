@@ -26,6 +26,9 @@ class ServeRequest:
     # Decode only, with conditional disaggregation: the router's estimate of the prefill pool's
     # path; the decode replica weighs it against computing the prompt itself. None: always remote.
     remote_prefill: RemotePrefillEstimate | None = None
+    # Decode only: compute the prompt here, whatever the estimate (the prefill pool failed this
+    # request's previous attempt, or has no replica that takes requests).
+    prefill_here: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,9 @@ class ReplicaReport:
     num_blocks_held: int = 0  # referenced by requests (prefix-cached free blocks excluded)
     max_model_len: int = 0
     draining: bool = False
+    engine_error: str = ""  # why the replica's engine stopped ("" while it runs): placement skips it
     pid: int = 0  # the replica's process (rank 0), for operators
+    shard_pids: list[int] = field(default_factory=list)  # its tensor-parallel shards' processes, ranks 1..
     cached_blocks: bytes = b""  # common.block_hash.pack_short_hashes of every cached block
     num_prefill_tokens_queued: int = 0  # prompt tokens of waiting and prefilling requests not computed yet
     prefill_tokens_per_s: float = 0.0  # how fast it computes prompt tokens (measured; 0: not yet)

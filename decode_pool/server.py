@@ -12,6 +12,8 @@ prefill replica), then one ``StreamDelta`` per engine step that produced tokens.
 mode the same replica runs the prefill too: no ticket, the deltas start at once. With conditional
 disaggregation (the request carries the router's ``remote_prefill`` estimate) a decode replica
 may compute the prompt itself when that is cheaper (decode_pool.prefill_site): no ticket either.
+A request marked ``prefill_here`` (the prefill pool failed it, or has no working replica) is computed here
+whatever the estimate: the pools degrade to colocated serving until the prefill pool recovers.
 """
 
 from __future__ import annotations
@@ -168,6 +170,9 @@ class DecodeServer(EngineReplica):
         blocks for the prefill pool's KV. (ticket or None, the decision if one was weighed); None:
         no room for the reservation yet (call_when_room tries again as blocks free)."""
         site = None
+        if request.prefill_here:
+            engine.add_request(request.request_id, request.prompt_token_ids, params, request.cache_salt)
+            return None, _FAILED_OVER
         if request.remote_prefill is not None:
             site = self._weigh_prefill_site(engine, request)
             if site.local:
@@ -215,6 +220,12 @@ class DecodeServer(EngineReplica):
         ).to_dict()
         engine.expect_kv(request_id, ticket)
         return ticket
+
+
+# Not weighed: no estimate of either side is made when the prefill pool has just failed the request.
+_FAILED_OVER = PrefillSite(
+    True, "local: the prefill pool failed this request or has no working replica", math.nan, math.nan
+)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
+import os
 import socket
 import time
 from abc import ABC, abstractmethod
@@ -112,6 +113,7 @@ def run_worker(
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     timeout = datetime.timedelta(seconds=engine_config.parallel.distributed_timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    store.set(_shard_pid_key(rank), str(os.getpid()))  # before joining: the driver reads it once all joined
     store.add(_JOINED_KEY, 1)
     tp = TensorParallel.init(rank, world_size, store, device, engine_config.parallel.distributed_timeout_s)
     runner = None
@@ -139,6 +141,10 @@ def run_worker(
 
 
 _JOINED_KEY = "pdserve/shards_joined"
+
+
+def _shard_pid_key(rank: int) -> str:
+    return f"pdserve/shard_pid/{rank}"
 
 
 def _wait_for_shards(store: dist.TCPStore, workers: list[WorkerHandle], timeout_s: float) -> None:
@@ -170,6 +176,7 @@ class Executor:
             # pinned only to cores given to it, never to a slice of cores it was not given.
             use_cores(0, self.world_size, instance_cores(config), pin=bool(config.parallel.cpu_cores))
         self.workers: list[WorkerHandle] = []
+        self.shard_pids: list[int] = []  # ranks 1.., for operators (whichever launcher started them)
         self._broken = False  # a step failed midway: shards may be stuck in a collective
         if self.world_size == 1:
             tp = TensorParallel.single(device)
@@ -205,6 +212,7 @@ class Executor:
                 device = torch.device("cuda", 0)
             try:
                 _wait_for_shards(store, self.workers, timeout_s)
+                self.shard_pids = [int(store.get(_shard_pid_key(rank))) for rank in range(1, self.world_size)]
                 tp = TensorParallel.init(0, self.world_size, store, device, timeout_s)
             except BaseException:
                 self._kill_workers()

@@ -74,7 +74,9 @@ class EngineReplica:
         return ReplicaReport(
             replica_id=self.replica_id,
             draining=self.draining,
+            engine_error="" if self.engine.is_healthy else (self.engine.error or "the engine thread stopped"),
             pid=os.getpid(),
+            shard_pids=list(self.engine.engine.executor.shard_pids),
             cached_blocks=packed,
             cpu_cores=list(self.core_claim.cores) if self.core_claim else [],
             cpu_cores_shared=list(self.core_claim.borrowed) if self.core_claim else [],

@@ -8,8 +8,11 @@ Disaggregated::
 Colocated: ``decode.generate(req)`` on the colocated pool yields the deltas directly.
 
 Failures (each attempt is a fresh request id on the pools, ``<id>.<attempt>``):
-- a prefill replica dies, or the KV hand-off fails: nothing reached the client yet, so the
-  attempt's decode reservation is cancelled (its blocks are freed) and the request starts over;
+- a prefill replica dies, its engine stops (a TP shard died), or the KV hand-off fails: nothing
+  reached the client yet, so the attempt's decode reservation is cancelled (its blocks are freed)
+  and the request starts over, its prompt computed on the decode replica (``prefill_here``); while
+  the prefill pool has no working replica (all failed, or Serve is replacing them) new requests
+  go there at once: a prefill pool that lost its only replica fails no request;
 - a decode replica dies mid-stream: the request resumes elsewhere as prompt + tokens already sent,
   asking for the remaining ``max_tokens`` — greedy output continues token for token. Requests
   with stop strings cannot resume (text held back for stop matching died with the replica), so
@@ -52,6 +55,11 @@ class ReplicaLost(Exception):
 
 class AttemptFailed(Exception):
     """The attempt failed for a reason another replica may not have (e.g. the KV hand-off)."""
+
+
+class PrefillFailed(AttemptFailed):
+    """The prefill side failed the attempt (replica lost, engine stopped, hand-off failed): the
+    next attempt computes the prompt on its decode replica."""
 
 
 def _is_replica_loss(exc: BaseException) -> bool:
@@ -108,6 +116,7 @@ class Orchestrator:
         detokenize: Callable[[list[int], bool], str] | None = None,
         observer: AttemptObserver | None = None,
         remote_prefill: RemotePrefillEstimator | None = None,
+        prefill_pool_down: Callable[[], bool] | None = None,
     ) -> None:
         self.decode = decode
         self.prefill = prefill  # None: colocated
@@ -116,6 +125,9 @@ class Orchestrator:
         self.remote_prefill = remote_prefill if prefill is not None else None
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
+        # True while the prefill pool has no replica that takes requests (all failed, or none left
+        # while Serve replaces them): prompts then go straight to their decode replica.
+        self.prefill_pool_down = prefill_pool_down or (lambda: False)
         self.detokenize = detokenize  # (ids, skip_special_tokens) -> text; for resumed streams
         self.num_retries = 0
         self.num_resumes = 0
@@ -178,6 +190,8 @@ class Orchestrator:
         ttft_s: float | None = None
         text = _ResumedText(self.detokenize, prompt_token_ids, params.skip_special_tokens)
         attempt = 0
+        # Decode computes the prompt: the prefill pool is down, or it failed an earlier attempt.
+        prefill_here = self.prefill is not None and self.prefill_pool_down()
         while True:
             remaining = params.max_tokens - len(sent_ids)
             attempt_params = dataclasses.replace(params, max_tokens=remaining) if sent_ids else params
@@ -186,6 +200,7 @@ class Orchestrator:
                 prompt_token_ids=prompt_token_ids + sent_ids,
                 sampling=attempt_params.to_dict(),
                 cache_salt=cache_salt,
+                prefill_here=prefill_here,
             )  # its trace_context is the attempt's span, set in _attempt
             resumed = bool(sent_ids)
             span.set_attribute("attempts", attempt + 1)
@@ -211,7 +226,7 @@ class Orchestrator:
                 raise
             except Exception as exc:
                 if not isinstance(exc, (ReplicaLost, AttemptFailed)):
-                    if _is_backpressure(exc) and not sent_ids:
+                    if is_backpressure(exc) and not sent_ids:
                         raise OverloadedError("every replica's queue is full; retry later") from exc
                     logger.exception("request %s: attempt %d failed", request_id, attempt)
                 why = _why_not_resumable(params) if sent_ids else None
@@ -222,6 +237,7 @@ class Orchestrator:
                     yield StreamDelta(request_id, [], "", finish_reason="error", error=f"{why}: {exc}")
                     return
                 attempt += 1
+                prefill_here = prefill_here or isinstance(exc, PrefillFailed)
                 if sent_ids:
                     self.num_resumes += 1
                     self.observer.migrated()
@@ -240,8 +256,12 @@ class Orchestrator:
         for it) and the prompt's cache hits (needed by the usage of the last delta)."""
         span = _tracer.start_span("pdserve.attempt", context=trace.set_span_in_context(parent))
         span.set_attribute("pdserve.pool_request_id", request.request_id)
+        if request.prefill_here:
+            span.set_attribute("pdserve.prefill_failover", True)
         carrier = inject(trace.set_span_in_context(span))  # the pools' spans are the attempt's children
-        remote_prefill = self.remote_prefill.estimate(request) if self.remote_prefill is not None else None
+        remote_prefill = None
+        if self.remote_prefill is not None and not request.prefill_here:
+            remote_prefill = self.remote_prefill.estimate(request)
         request = dataclasses.replace(request, trace_context=carrier or None, remote_prefill=remote_prefill)
         started = time.monotonic()
         stream = self.decode.options(stream=True).generate.remote(request)
@@ -334,8 +354,12 @@ class Orchestrator:
             raise AttemptFailed(f"prefill of {request.request_id} timed out") from None
         except Exception as exc:
             if _is_replica_loss(exc):
-                raise ReplicaLost(f"prefill replica lost: {type(exc).__name__}") from exc
-            raise
+                raise PrefillFailed(f"prefill replica lost: {type(exc).__name__}") from exc
+            if is_backpressure(exc):  # the pool is full, not failing: the caller answers 503
+                raise
+            # The replica raised (its engine stopped, or a bug): logged here, with its traceback.
+            logger.warning("prefill of %s raised", request.request_id, exc_info=exc)
+            raise PrefillFailed(f"prefill of {request.request_id} failed: {type(exc).__name__}") from exc
 
     async def _next(self, stream: Any, deadline: float) -> TicketIssued | StreamDelta:
         try:
@@ -365,7 +389,7 @@ def _check_prefill(task: asyncio.Task, request_id: str) -> PrefillResult:
     result: PrefillResult = task.result()
     if result.error is not None:
         raise_for_pool_error(result.error)
-        raise AttemptFailed(f"KV hand-off of {request_id} failed: {result.error}")
+        raise PrefillFailed(f"KV hand-off of {request_id} failed: {result.error}")
     return result
 
 
@@ -415,7 +439,7 @@ def _why_not_resumable(params: SamplingParams) -> str | None:
     return None
 
 
-def _is_backpressure(exc: BaseException) -> bool:
+def is_backpressure(exc: BaseException) -> bool:
     try:
         from ray.serve.exceptions import BackPressureError
     except ImportError:  # pragma: no cover

@@ -61,7 +61,7 @@ class PlacementPolicy(ABC):
 class LeastLoadedPolicy(PlacementPolicy):
     """Fewest queued and running requests first.
 
-    Excludes draining replicas and those whose ``max_model_len`` cannot hold the prompt plus one
+    Excludes draining and failed replicas and those whose ``max_model_len`` cannot hold the prompt plus one
     generated token. Decode replicas without enough free KV blocks for the prompt stay eligible but
     rank after every replica that has them: they would have to queue the KV hand-off.
     Score = ``(num_waiting + num_waiting_for_blocks) * WAITING_WEIGHT + num_running + num_reserved``
@@ -80,7 +80,9 @@ class LeastLoadedPolicy(PlacementPolicy):
         # The first generated token needs a slot too.
         num_tokens = request.num_prompt_tokens + 1
         num_blocks_needed = -(-num_tokens // self.block_size)
-        eligible = [r for r in replicas if not r.draining and (r.max_model_len <= 0 or num_tokens <= r.max_model_len)]
+        eligible = [
+            r for r in replicas if _takes_requests(r) and (r.max_model_len <= 0 or num_tokens <= r.max_model_len)
+        ]
         if not eligible:
             raise NoReplicaAvailable(_why_none(request, replicas))
 
@@ -117,7 +119,9 @@ class CacheAwarePolicy(PlacementPolicy):
         if not replicas or all(r.role == "decode" for r in replicas):
             return self.least_loaded.choose(request, replicas)
         num_tokens = request.num_prompt_tokens + 1
-        eligible = [r for r in replicas if not r.draining and (r.max_model_len <= 0 or num_tokens <= r.max_model_len)]
+        eligible = [
+            r for r in replicas if _takes_requests(r) and (r.max_model_len <= 0 or num_tokens <= r.max_model_len)
+        ]
         if not eligible:
             raise NoReplicaAvailable(_why_none(request, replicas))
 
@@ -166,16 +170,26 @@ def _load(r: ReplicaReport) -> int:
     return (r.num_waiting + r.num_waiting_for_blocks) * WAITING_WEIGHT + r.num_running + r.num_reserved
 
 
+def _takes_requests(r: ReplicaReport) -> bool:
+    """Neither draining nor failed (its engine stopped: Serve's health check replaces it soon)."""
+    return not r.draining and not r.engine_error
+
+
 def _why_none(request: PlacementRequest, replicas: Sequence[ReplicaReport]) -> str:
     if not replicas:
         return "no replicas have reported yet"
     num_draining = sum(r.draining for r in replicas)
+    num_failed = sum(bool(r.engine_error) and not r.draining for r in replicas)
     if num_draining == len(replicas):
         return f"all {num_draining} replicas are draining"
-    longest = max(r.max_model_len for r in replicas if not r.draining)
+    if num_draining + num_failed == len(replicas):
+        return (
+            f"of {len(replicas)} replicas, {num_failed} failed (their engines stopped) and {num_draining} are draining"
+        )
+    longest = max(r.max_model_len for r in replicas if _takes_requests(r))
     return (
         f"a prompt of {request.num_prompt_tokens} tokens (+1 generated) does not fit any replica: "
-        f"{num_draining} draining, the others hold at most {longest} tokens (max_model_len)"
+        f"{num_draining} draining, {num_failed} failed, the others hold at most {longest} tokens (max_model_len)"
     )
 
 

@@ -25,6 +25,15 @@ def latest_reports() -> dict[str, list[dict]]:
     return {pool: list(reports.values()) for pool, (_, reports) in sorted(_LATEST.items())}
 
 
+def takes_requests(pool: str) -> bool | None:
+    """Whether ``pool`` has a replica neither draining nor failed (its engine stopped), by the
+    reports last seen; None before any was seen (then nothing is known against it)."""
+    seen = _LATEST.get(pool)
+    if seen is None:
+        return None
+    return any(not r.get("draining") and not r.get("engine_error") for r in seen[1].values())
+
+
 def register_placement(pool: str, placement: Any) -> None:
     _PLACEMENTS[pool] = placement
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -34,7 +35,7 @@ from router import protocol
 from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorized, retry_after_header, tenant_salt
 from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
+from router.orchestrator import Orchestrator, is_backpressure
 from router.protocol import ApiError, ParsedRequest
 from router.remote_prefill import RemotePrefillEstimator
 
@@ -171,6 +172,8 @@ def _refusal(exc: Exception) -> ApiError:
         return _unauthorized(exc)
     if isinstance(exc, RateLimited):
         return _rate_limited(exc)
+    if is_backpressure(exc):  # a pool's bounded queue (Serve's) is full: retry later, as any overload
+        return protocol.api_error_from_exception(OverloadedError("the pools' queues are full; retry later"))
     return protocol.api_error_from_exception(exc)
 
 
@@ -269,7 +272,7 @@ class RouterServer:
         # One thread: tokenizing (long for a long prompt) stays off the event loop, and no two
         # encodes run at once in one fast tokenizer (each borrows its Rust state mutably).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
-        from router.routing_state import latest_reports, placement
+        from router.routing_state import latest_reports, placement, takes_requests
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
         remote_prefill = RemotePrefillEstimator(lambda: placement("prefill")) if conditional_disaggregation else None
@@ -281,6 +284,7 @@ class RouterServer:
             self._detokenize,
             observer=self.metrics,
             remote_prefill=remote_prefill,
+            prefill_pool_down=lambda: takes_requests("prefill") is False,
         )
         self.max_concurrent_requests = max_concurrent_requests
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)
@@ -290,6 +294,7 @@ class RouterServer:
         self.num_admitting = 0  # requests between the room check and their start (body, tokenizer)
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
+        self._max_model_len_ask: asyncio.Future | None = None
         self.created = int(time.time())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -342,15 +347,25 @@ class RouterServer:
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
+        """200 while requests can be served: every pool answers, and the pool that streams tokens
+        has a working replica. A prefill pool with none left (its engines stopped, Serve replacing
+        them) makes it "degraded", still 200: prompts are computed on their decode replicas."""
+        from router.routing_state import takes_requests
+
         pools = {"decode": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
-        down = []
+        down, degraded = [], []
         for name, handle in pools.items():
             try:
                 await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
             except Exception as exc:
                 down.append(f"{name}: {type(exc).__name__}")
+                continue
+            if takes_requests("colocated" if self.prefill is None else name) is False:
+                (degraded if name == "prefill" else down).append(f"{name}: no working replica")
         if down:
             return JSONResponse({"status": "unavailable", "pools_down": down}, status_code=503)
+        if degraded:
+            return JSONResponse({"status": "degraded", "mode": self.mode, "pools_degraded": degraded})
         return JSONResponse({"status": "ok", "mode": self.mode})
 
     async def prometheus_metrics(self) -> Response:
@@ -370,6 +385,7 @@ class RouterServer:
         return {
             "mode": self.mode,
             "model": self.served_model,
+            "router_pid": os.getpid(),  # for operators, as each replica report's pid
             "in_flight": self.num_in_flight,
             "requests": [
                 {"request_id": rid, "decode_replica": replica} for rid, replica in self.serving_replica.items()
@@ -561,15 +577,22 @@ class RouterServer:
         self.num_admitting -= 1
 
     async def _max_model_len(self) -> int:
-        """The pools' context length (the smaller), asked once."""
+        """The pools' context length (the smaller), asked once: a burst reaching a fresh router
+        waits for one answer, instead of putting one call per request in the pools' bounded queues
+        (which refuse the rest). A failed ask is asked again by the next request."""
         if self.max_model_len is None:
-            reports = [self.decode] + ([self.prefill] if self.prefill is not None else [])
-            lengths = []
-            for handle in reports:
-                report = await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
-                lengths.append(report["max_model_len"])
-            self.max_model_len = min(lengths)
+            if self._max_model_len_ask is None or self._max_model_len_ask.done():
+                self._max_model_len_ask = asyncio.ensure_future(self._ask_max_model_len())
+            # Shielded: a client that leaves does not cancel the ask the others wait for.
+            self.max_model_len = await asyncio.shield(self._max_model_len_ask)
         return self.max_model_len
+
+    async def _ask_max_model_len(self) -> int:
+        lengths = []
+        for handle in [self.decode] + ([self.prefill] if self.prefill is not None else []):
+            report = await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
+            lengths.append(report["max_model_len"])
+        return min(lengths)
 
     def _detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -86,6 +86,7 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
             assert os.sched_getaffinity(report["pid"]) == set(report["cpu_cores"]) and not report["cpu_cores_shared"]
         table = _pdserve("status", env=env)
         assert table.returncode == 0 and "cores" in table.stdout.splitlines()[1], table.stdout
+        assert str(pools["decode"][0]["pid"]) in table.stdout, table.stdout
 
         scaled = _pdserve("scale", "decode=2", env=env, timeout=600)
         assert scaled.returncode == 0, scaled.stderr[-3000:]

@@ -3,12 +3,14 @@
 Greedy output of the disaggregated cluster (prefill TP=3, decode TP=1, each KV transport) and of
 the colocated one equals transformers' greedy output in float32, streamed and not; errors come
 back in OpenAI's format with the right status, fuzzed requests included; nothing leaks KV blocks —
-after errors, fuzzing, client disconnects, scaling and a decode replica killed mid-stream.
+after errors, fuzzing, client disconnects, scaling, a decode or prefill replica, a prefill TP shard
+or the router killed mid-request, and a burst past every queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -17,6 +19,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -24,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from router.prefix_index import ROUTED_MEMORY_S
-from tests.cluster.serving import MODEL, LocalCluster, post
+from tests.cluster.serving import MODEL, LocalCluster, get_json, post
 from tests.conftest import PROMPTS, long_text
 from tests.fuzz_requests import post_and_check, requests
 
@@ -96,6 +99,29 @@ def chat(api: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = MAX_TO
         model=MODEL, messages=messages, max_completion_tokens=max_tokens, temperature=0, stream=True
     )
     return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+
+
+@contextlib.contextmanager
+def long_prompts_in_flight(cluster: LocalCluster, expected, count: int) -> Iterator[None]:
+    """``count`` long prompts sent at once; the body runs half a second later, while they are
+    prefilling. On leaving, every one must have answered exactly (none refused or failed)."""
+    prompts = [f"{long_text(2)} Question {i}: what did the keepers do?" for i in range(count)]
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        response = client(cluster).completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
+        results[i] = response.choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join()
+    assert results == {i: expected(p, 6) for i, p in enumerate(prompts)}
 
 
 def check_greedy(cluster: LocalCluster, expected) -> None:
@@ -379,6 +405,19 @@ def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
     assert status["metrics"]["outcomes"].get("cancelled", 0) >= 1
 
 
+async def post_raw(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A POST /v1/completions on a socket of the test's own (to cut it, or read the raw stream)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    await writer.drain()
+    return reader, writer
+
+
 @pytest.mark.chaos
 def test_a_hundred_streaming_clients_gone_at_once_leak_nothing(cluster, expected):
     """100 streams opened together (far more than the decode pool's KV holds: most wait for blocks
@@ -389,15 +428,7 @@ def test_a_hundred_streaming_clients_gone_at_once_leak_nothing(cluster, expected
     body = {"max_tokens": 200, "stream": True, "ignore_eos": True, "model": MODEL}
 
     async def open_stream(i: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.port)
-        payload = json.dumps({**body, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (client {i})"}).encode()
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
-        await writer.drain()
-        return reader, writer
+        return await post_raw(cluster.port, {**body, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (client {i})"})
 
     async def first_token(reader: asyncio.StreamReader) -> bool:
         while line := await reader.readline():
@@ -422,6 +453,93 @@ def test_a_hundred_streaming_clients_gone_at_once_leak_nothing(cluster, expected
     status = cluster.wait_idle(timeout_s=120)
     outcomes = status["metrics"]["outcomes"]
     assert outcomes.get("cancelled", 0) - cancelled_before >= 80, outcomes  # the rest finished or were refused
+    assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
+
+
+@pytest.mark.chaos
+def test_a_prefill_tp_shard_killed_mid_prefill_fails_over_to_decode_until_serve_replaces_the_replica(cluster, expected):
+    """The only prefill replica (TP=3) loses a shard process mid-prefill: its engine stops. The
+    requests it held are retried on their decode replica, and so is every request while the
+    replica is failed or being replaced: all answer exactly. Serve's health check replaces the
+    replica (new shard processes) within the bound below; then nothing is held anywhere."""
+    cluster.ensure(**DISAGG, transport="shm")
+    (replica,) = cluster.status()["pools"]["prefill"]
+    old_shards = replica["shard_pids"]
+    assert len(old_shards) == 2 and all(pid > 0 for pid in old_shards), replica
+    retries_before = cluster.status()["retries"]
+    with long_prompts_in_flight(cluster, expected, 4):  # the prefill replica is busy for a second or more
+        os.kill(old_shards[-1], signal.SIGKILL)
+        killed = time.monotonic()
+    assert cluster.status()["retries"] > retries_before  # the kill hit requests in flight
+    # Until the replacement serves, every request still answers exactly (through decode).
+    recovery_bound_s, served_meanwhile, health = 180.0, 0, set()
+    while True:
+        health.add(get_json(cluster.url + "/health")["status"])  # 200: the cluster still serves
+        prefill = cluster.status()["pools"].get("prefill", [])
+        replaced = all(r["shard_pids"] and not set(r["shard_pids"]) & set(old_shards) for r in prefill)
+        if prefill and replaced and all(not r["engine_error"] for r in prefill):
+            break
+        assert time.monotonic() - killed < recovery_bound_s, prefill
+        assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
+        served_meanwhile += 1
+        time.sleep(1.0)
+    assert served_meanwhile >= 1  # the outage lasted at least one request: it was tested
+    assert "degraded" in health and health <= {"ok", "degraded"}, health
+    cluster.wait_healthy()
+    cluster.wait_idle(timeout_s=60)
+    check_greedy(cluster, expected)  # through the new prefill replica
+
+
+@pytest.mark.chaos
+def test_the_router_killed_mid_stream_cuts_its_clients_and_the_pools_drop_their_requests(cluster, expected):
+    """SIGKILL to the router replica while six streams decode: each client's stream ends at once
+    without [DONE] (a cut, not a finished answer); Serve restarts the router on the same port within
+    the bound below; the pools abort the orphaned requests (2,000 tokens each would decode for
+    minutes) and hold nothing; the next request is exact."""
+    cluster.ensure(**DISAGG, transport="shm")
+    router_pid = cluster.status()["router_pid"]
+    assert router_pid > 0  # never os.kill(0, ...): that is this whole process group
+    body = {"model": MODEL, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+
+    async def stream(i: int, started: asyncio.Event, counts: list[int]) -> bytes:
+        reader, writer = await post_raw(cluster.port, {**body, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (stream {i})"})
+        last = b""
+        try:
+            while line := await reader.readline():
+                if line.startswith(b"data: {"):
+                    counts[i] += 1
+                    if all(counts):
+                        started.set()
+                last = line.strip() or last
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+        return last
+
+    async def drill() -> tuple[list[bytes], list[int], float]:
+        started, counts = asyncio.Event(), [0] * 6
+        clients = [asyncio.ensure_future(stream(i, started, counts)) for i in range(6)]
+        await asyncio.wait_for(started.wait(), 120)  # every stream has a token
+        os.kill(router_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        lasts = await asyncio.wait_for(asyncio.gather(*clients), 30)
+        return lasts, counts, time.monotonic() - killed
+
+    lasts, counts, cut_after_s = asyncio.run(drill())
+    assert all(0 < n < 2000 for n in counts), counts
+    assert all(last != b"data: [DONE]" for last in lasts), lasts
+    killed = time.monotonic() - cut_after_s
+    restart_bound_s = 120.0
+    while True:
+        try:
+            if cluster.status()["router_pid"] not in (0, router_pid):
+                break
+        except OSError:  # refused or reset: the new router is not listening yet
+            pass
+        assert time.monotonic() - killed < restart_bound_s, "Serve did not restart the router in time"
+        time.sleep(0.5)
+    cluster.wait_idle(timeout_s=30)  # well before 2,000 tokens could have decoded: the pools aborted them
     assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
 
 
@@ -683,22 +801,58 @@ def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expect
         assert time.monotonic() < deadline, status
         time.sleep(0.5)
         status = cluster.status()
-    prompts = [f"{long_text(2)} Question {i}: what did the keepers do?" for i in range(6)]
-    results: dict[int, str] = {}
-
-    def one(i: int) -> None:
-        response = client(cluster).completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
-        results[i] = response.choices[0].text
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # the prefill pool is busy for seconds with these prompts
-    victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
-    assert victim["pid"] > 0  # never os.kill(0, ...): that is this whole process group
-    os.kill(victim["pid"], signal.SIGKILL)
-    for t in threads:
-        t.join()
-    assert results == {i: expected(p, 6) for i, p in enumerate(prompts)}
+    with long_prompts_in_flight(cluster, expected, 6):  # the prefill pool is busy for seconds with these
+        victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
+        assert victim["pid"] > 0  # never os.kill(0, ...): that is this whole process group
+        os.kill(victim["pid"], signal.SIGKILL)
     assert cluster.status()["retries"] >= 1
     cluster.wait_idle(timeout_s=180)
+
+
+# Every queue on a request's way made tiny: the router's admission, the decode replica's FIFO of
+# reservations waiting for KV blocks, Serve's queue in front of the prefill replica and the prefill
+# engine's waiting queue.
+QUEUES = {
+    "mode": "disagg",
+    "transport": "shm",
+    "router.max_concurrent_requests": 40,
+    "decode.max_num_waiting": 4,
+    "prefill.max_ongoing_requests": 2,
+    "prefill.max_num_waiting": 1,
+}
+# Which queue turned a request away, by its 503's message.
+REFUSALS = {
+    "router admission": "max_concurrent_requests",
+    "decode KV FIFO": "waiting for KV blocks",
+    "prefill Serve queue": "every replica's queue is full",
+    "prefill waiting queue": "max_num_waiting",
+}
+
+
+@pytest.mark.chaos
+def test_a_burst_past_every_queue_is_answered_exactly_or_refused_with_503_and_leaks_nothing(cluster, expected):
+    cluster.ensure(**QUEUES)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (queue drill {i})" for i in range(64)]
+    api = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def one(prompt: str) -> tuple[int, str, str | None]:
+        try:
+            response = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        except openai.APIStatusError as exc:
+            return exc.status_code, json.dumps(exc.body), exc.response.headers.get("retry-after")
+        return 200, response.choices[0].text, None
+
+    async def burst() -> list[tuple[int, str, str | None]]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outcomes = asyncio.run(burst())
+    refused = [(body, retry_after) for code, body, retry_after in outcomes if code == 503]
+    assert {code for code, _, _ in outcomes} <= {200, 503}, [o for o in outcomes if o[0] not in (200, 503)]
+    answered = {p: text for p, (code, text, _) in zip(prompts, outcomes, strict=True) if code == 200}
+    assert answered and answered == {p: expected(p, 8) for p in answered}
+    assert all(retry_after is not None and '"type": "service_unavailable"' in body for body, retry_after in refused)
+    queues = {name for name, words in REFUSALS.items() for body, _ in refused if words in body}
+    print(f"{len(outcomes) - len(refused)} answered, {len(refused)} refused by {sorted(queues)}")
+    assert len(queues) >= 2, refused[:4]  # the burst overflowed more than the router's own admission
+    cluster.wait_idle(timeout_s=120)
+    check_greedy(cluster, expected)

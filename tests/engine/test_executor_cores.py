@@ -25,6 +25,7 @@ def test_each_shard_runs_on_its_slice_of_the_instances_cores(tiny_dir):
     engine = LLMEngine(config)
     try:
         (shard,) = engine.executor.workers
+        assert engine.executor.shard_pids == [shard.process.pid]  # what replica reports show operators
         assert os.sched_getaffinity(0) == {cores[0]}  # the driver's whole process, every thread
         assert all(os.sched_getaffinity(int(t)) == {cores[0]} for t in os.listdir("/proc/self/task"))
         assert os.sched_getaffinity(shard.process.pid) == {cores[1]}

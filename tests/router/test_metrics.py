@@ -136,10 +136,11 @@ def test_two_routers_in_one_process_keep_their_own_registries():
 
 def test_the_orchestrator_reports_prefill_replies_retries_and_migrations():
     metrics = RouterMetrics("disagg", "smol")
-    reply = PrefillResult("req.1", 1, 0, kv_bytes=1 << 20, kv_exposed_s=0.002)
-    decode, prefill = FakeDecode([{}, {}]), FakePrefill([_actor_died(), reply])
+    decode, prefill = FakeDecode([{}, {}]), FakePrefill([_actor_died()])
     deltas = run(Orchestrator(decode, prefill, max_retries=1, observer=metrics), GREEDY)  # retried once
     assert deltas[-1].finish_reason == "length"
+    reply = PrefillResult("req.0", 1, 0, kv_bytes=1 << 20, kv_exposed_s=0.002)
+    assert run(Orchestrator(FakeDecode([{}]), FakePrefill([reply]), observer=metrics), GREEDY)[-1].finish_reason
     resumed = Orchestrator(FakeDecode([{"die_after": 3}, {}]), FakePrefill([]), observer=metrics)
     assert len(tokens(run(resumed, GREEDY))) == 8  # migrated once
     samples = scrape(metrics)

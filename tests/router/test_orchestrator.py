@@ -51,7 +51,7 @@ class FakeStream:
         if self.error is not None:
             yield StreamDelta(self.request.request_id, [], "", finish_reason="error", error=self.error)
             return
-        if not self.colocated:
+        if not self.colocated and not self.request.prefill_here:
             yield TicketIssued(self.request.request_id, {"request_id": self.request.request_id}, "d0")
         # Greedy continuation: the prompt's last token decides where the sequence goes on.
         start = len(self.request.prompt_token_ids) - 3  # prompts are 3 tokens long
@@ -158,12 +158,13 @@ def test_colocated_request_needs_no_prefill_pool():
     assert tokens(deltas) == TOKENS[:8]
 
 
-def test_a_lost_prefill_replica_is_retried_once_and_the_first_reservation_cancelled():
+def test_a_lost_prefill_replica_is_retried_once_on_the_decode_replica_and_the_first_reservation_cancelled():
     decode, prefill = FakeDecode([{}, {}]), FakePrefill([_actor_died(), None])
     orchestrator = Orchestrator(decode, prefill, max_retries=1)
     deltas = run(orchestrator, GREEDY)
     assert tokens(deltas) == TOKENS[:8]
-    assert [r.request_id for r in prefill.requests] == ["req.0", "req.1"]
+    assert [r.request_id for r in prefill.requests] == ["req.0"]  # the retry did not go back to the pool
+    assert [s.request.prefill_here for s in decode.streams] == [False, True]
     assert decode.streams[0].cancelled and orchestrator.num_retries == 1
 
 
@@ -172,6 +173,43 @@ def test_a_failed_hand_off_ends_the_attempt_at_once_and_retries():
     prefill = FakePrefill([PrefillResult("req.0", None, 0, "receiver gone"), None])
     deltas = run(Orchestrator(decode, prefill), GREEDY)
     assert tokens(deltas) == TOKENS[:8] and decode.streams[0].cancelled
+    assert decode.streams[1].request.prefill_here
+
+
+def test_while_the_prefill_pool_is_down_prompts_go_straight_to_decode(finished_spans):
+    decode, prefill = FakeDecode([{}]), FakePrefill([])
+    assert tokens(run(Orchestrator(decode, prefill, prefill_pool_down=lambda: True), GREEDY)) == TOKENS[:8]
+    assert decode.streams[0].request.prefill_here and not prefill.requests
+    (attempt,) = [s for s in finished_spans() if s.name == "pdserve.attempt"]
+    assert attempt.attributes["pdserve.prefill_failover"] is True
+
+
+def test_the_prefill_pool_is_down_when_every_replica_it_reported_failed_or_drains(monkeypatch):
+    from router import routing_state
+
+    monkeypatch.setattr(routing_state, "_LATEST", {})
+    assert routing_state.takes_requests("nowhere") is None  # nothing seen: nothing known against it
+    routing_state.record("test-pool", {"a": {"engine_error": "shard died"}, "b": {"draining": True}})
+    assert routing_state.takes_requests("test-pool") is False
+    routing_state.record("test-pool", {"a": {"engine_error": "shard died"}, "c": {"engine_error": ""}})
+    assert routing_state.takes_requests("test-pool") is True
+    routing_state.record("test-pool", {})  # Serve removed the last one
+    assert routing_state.takes_requests("test-pool") is False
+
+
+def test_a_prefill_replica_whose_engine_stopped_fails_over_to_decode_but_a_full_pool_is_a_503():
+    from ray.serve.exceptions import BackPressureError
+
+    stopped = RuntimeError("the engine stopped: a tensor-parallel shard died")  # what its method raises
+    decode, prefill = FakeDecode([{}, {}]), FakePrefill([stopped])
+    orchestrator = Orchestrator(decode, prefill, max_retries=1)
+    assert tokens(run(orchestrator, GREEDY)) == TOKENS[:8]
+    assert [s.request.prefill_here for s in decode.streams] == [False, True] and len(prefill.requests) == 1
+    full = BackPressureError(num_queued_requests=8, max_queued_requests=8)
+    decode, prefill = FakeDecode([{}, {}]), FakePrefill([full])
+    with pytest.raises(OverloadedError):
+        run(Orchestrator(decode, prefill, max_retries=1), GREEDY)
+    assert len(decode.streams) == 1 and decode.streams[0].cancelled
 
 
 def test_a_decode_replica_lost_mid_stream_resumes_with_prompt_plus_sent_tokens():
@@ -455,10 +493,11 @@ def test_colocated_parts_come_from_the_finished_delta_and_no_kv_moved(finished_s
 
 def test_a_retried_request_takes_the_parts_of_the_attempt_that_produced_its_first_token():
     failed = PrefillResult("req.0", None, 0, "receiver gone", queue_time_s=0.7, prefill_time_s=0.2, kv_exposed_s=0.05)
-    served = PrefillResult("req.1", TOKENS[0], 0, queue_time_s=0.02, prefill_time_s=0.3, kv_exposed_s=0.01)
-    deltas, _, _ = run_timed(Orchestrator(FakeDecode([{}, {}]), FakePrefill([failed, served])))
+    # The retry computes the prompt on its decode replica: its parts are that replica's, no KV moved.
+    decode = FakeDecode([{}, {"timings": (0.02, 0.3)}])
+    deltas, _, _ = run_timed(Orchestrator(decode, FakePrefill([failed])))
     breakdown = deltas[-1].ttft_breakdown
-    assert (breakdown.queue_s, breakdown.prefill_s, breakdown.kv_transfer_exposed_s) == (0.02, 0.3, 0.01)
+    assert (breakdown.queue_s, breakdown.prefill_s, breakdown.kv_transfer_exposed_s) == (0.02, 0.3, None)
 
 
 def test_a_stream_resumed_elsewhere_has_no_parts_its_first_attempt_took_them_along():

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -77,6 +78,16 @@ def test_no_replicas_raises():
 def test_all_draining_raises():
     with pytest.raises(NoReplicaAvailable, match="all 2 replicas are draining"):
         LeastLoadedPolicy().choose(request(), [report("a", draining=True), report("b", draining=True)])
+
+
+def test_a_failed_replica_is_skipped_and_named_when_none_is_left():
+    replicas = [report("stopped", engine_error="RuntimeError: shard 1 died"), report("busy", num_running=9)]
+    for policy in (LeastLoadedPolicy(), CacheAwarePolicy()):
+        assert policy.choose(request(), replicas).ranking == ("busy",)
+        prefill = [dataclasses.replace(r, role="prefill") for r in replicas]
+        assert policy.choose(request(), prefill).ranking == ("busy",)
+    with pytest.raises(NoReplicaAvailable, match=r"1 failed \(their engines stopped\) and 1 are draining"):
+        LeastLoadedPolicy().choose(request(), [replicas[0], report("b", draining=True)])
 
 
 def test_too_long_prompt_excludes():

@@ -75,3 +75,71 @@ def test_the_streamed_usage_chunk_carries_it_when_usage_is_asked_for():
     *_, tail = asyncio.run(events(asked))
     assert tail["choices"] == [] and tail["usage"] == expected_usage()
     assert all("usage" not in event for event in asyncio.run(events(not_asked)))
+
+
+class CountingPool:
+    """A pool handle whose ``report`` answers after a moment, counting the calls; the first ``fail`` raise."""
+
+    def __init__(self, max_model_len: int, fail: int = 0) -> None:
+        self.max_model_len = max_model_len
+        self.calls = 0
+        self.fail = fail
+        self.report = self
+
+    def remote(self):
+        self.calls += 1
+        failing = self.calls <= self.fail
+
+        async def answer() -> dict:
+            await asyncio.sleep(0.01)
+            if failing:
+                raise TimeoutError("the pool did not answer")
+            return {"max_model_len": self.max_model_len}
+
+        return answer()
+
+
+def test_a_burst_on_a_fresh_router_asks_the_pools_their_context_length_once():
+    server = BareServer()
+    server.decode, server.prefill = CountingPool(8192), CountingPool(4096, fail=1)
+    server.max_model_len, server._max_model_len_ask = None, None
+
+    async def burst() -> list:
+        return await asyncio.gather(*(server._max_model_len() for _ in range(50)), return_exceptions=True)
+
+    first = asyncio.run(burst())  # the one ask fails: every waiter gets its error, none hangs
+    assert all(isinstance(r, TimeoutError) for r in first) and server.prefill.calls == 1
+    assert asyncio.run(burst()) == [4096] * 50  # asked again, once, and kept
+    assert (server.decode.calls, server.prefill.calls) == (2, 2)
+
+
+def test_a_full_pool_queue_met_before_any_pool_work_is_a_503():
+    from ray.serve.exceptions import BackPressureError
+
+    from router.server import _refusal
+
+    error = _refusal(BackPressureError(num_queued_requests=4, max_queued_requests=4))
+    assert (error.status, error.type, error.headers) == (503, "service_unavailable", {"Retry-After": "1"})
+
+
+def test_health_is_degraded_without_a_working_prefill_replica_and_down_without_a_decode_one(monkeypatch):
+    from router import routing_state
+
+    server = BareServer()
+    server.mode, server.decode, server.prefill = "disagg", CountingPool(8192), CountingPool(8192)
+    monkeypatch.setattr(routing_state, "_LATEST", {})
+
+    def health() -> tuple[int, dict]:
+        response = asyncio.run(server.health())
+        return response.status_code, json.loads(response.body)
+
+    assert health() == (200, {"status": "ok", "mode": "disagg"})  # no report seen yet: nothing against them
+    routing_state.record("decode", {"d0": {"engine_error": ""}})
+    routing_state.record("prefill", {"p0": {"engine_error": "RuntimeError: a shard died"}})
+    assert health() == (
+        200,
+        {"status": "degraded", "mode": "disagg", "pools_degraded": ["prefill: no working replica"]},
+    )
+    routing_state.record("decode", {})  # the only decode replica gone
+    code, body = health()
+    assert code == 503 and body["pools_down"] == ["decode: no working replica"]
