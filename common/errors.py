@@ -35,3 +35,8 @@ class UnsupportedModelError(ConfigError):
 
 class OverloadedError(PdserveError):
     """The engine's bounded queues are full: retry later (HTTP 503 with Retry-After)."""
+
+
+class EngineStopped(PdserveError, RuntimeError):
+    """The replica's engine stopped (a step failed: a shard died, a kernel raised); it takes no more
+    work and Serve's health check replaces the replica. Another replica can serve the request."""

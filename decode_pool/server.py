@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from common import tracing
 from common.config import EngineConfig, EngineRole
-from common.errors import InvalidRequestError, OverloadedError
+from common.errors import EngineStopped, InvalidRequestError, OverloadedError
 from common.outputs import RequestMetrics, RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
@@ -145,10 +145,9 @@ class DecodeServer(EngineReplica):
                     if timeline is not None:
                         timeline.ticket_issued = time.monotonic()
                     yield TicketIssued(request_id, ticket, self.replica_id)
-        except (InvalidRequestError, OverloadedError) as exc:
+        except (InvalidRequestError, OverloadedError, EngineStopped) as exc:
             self.engine.close_stream(request_id)
-            kind = "overloaded" if isinstance(exc, OverloadedError) else "invalid_request"
-            yield _error_delta(request_id, f"{kind}: {exc}", self.replica_id)
+            yield _error_delta(request_id, f"{_refusal_kind(exc)}: {exc}", self.replica_id)
             return
         except BaseException:
             self.engine.close_stream(request_id)
@@ -220,6 +219,16 @@ class DecodeServer(EngineReplica):
         ).to_dict()
         engine.expect_kv(request_id, ticket)
         return ticket
+
+
+def _refusal_kind(exc: Exception) -> str:
+    """How a refusal before any work reads in its error delta (router.orchestrator parses it).
+    "unavailable" is this replica's alone (its engine stopped): another replica can take the request."""
+    if isinstance(exc, OverloadedError):
+        return "overloaded"
+    if isinstance(exc, EngineStopped):
+        return "unavailable"
+    return "invalid_request"
 
 
 # Not weighed: no estimate of either side is made when the prefill pool has just failed the request.

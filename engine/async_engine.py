@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from common.errors import OverloadedError
+from common.errors import EngineStopped, OverloadedError
 from common.outputs import CompletionOutput, RequestOutput
 from engine.kv_handoff import SentKV
 from engine.llm_engine import LLMEngine
@@ -123,7 +123,7 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 60.0) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; its exception is re-raised here."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped: {self.error}")
+            raise EngineStopped(f"the engine stopped: {self.error}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             self._commands.put_nowait((fn, future))
@@ -137,7 +137,7 @@ class AsyncEngine:
         ``timeout_s`` passes first; ``fn``'s own exception is re-raised here. A caller that leaves
         (cancelled) may find ``fn`` already done: it must undo it (the decode replica aborts)."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped: {self.error}")
+            raise EngineStopped(f"the engine stopped: {self.error}")
         if not self._room_slots.acquire(blocking=False):
             raise OverloadedError(
                 f"{self.max_waiting_for_room} requests are already waiting for KV blocks on this replica; retry later"
@@ -418,14 +418,14 @@ class AsyncEngine:
             _resolve(watch.loop, watch.future, HandoffEnded(None, error))
         self._handoffs.clear()
         while self._room_waiters:
-            self._finish_waiter(self._room_waiters.popleft(), error=RuntimeError(f"the engine stopped: {error}"))
+            self._finish_waiter(self._room_waiters.popleft(), error=EngineStopped(f"the engine stopped: {error}"))
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 break
             if future is not None and future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError(f"the engine stopped: {error}"))
+                future.set_exception(EngineStopped(f"the engine stopped: {error}"))
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:

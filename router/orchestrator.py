@@ -16,7 +16,11 @@ Failures (each attempt is a fresh request id on the pools, ``<id>.<attempt>``):
 - a decode replica dies mid-stream: the request resumes elsewhere as prompt + tokens already sent,
   asking for the remaining ``max_tokens`` — greedy output continues token for token. Requests
   with stop strings cannot resume (text held back for stop matching died with the replica), so
-  they end with an error event, as does any request past ``max_retries``.
+  they end with an error event, as does any request past ``max_retries``;
+- a decode replica whose engine stopped refuses before any work ("unavailable"): the call is made
+  again half a second later, not counted as a retry, until Serve routes it elsewhere or replaces
+  the replica (a resumed stream waits for that, within its deadline; a request with nothing sent
+  yet gets a 503 once the pool is known to have no working replica).
 The pools are reached only through their handles (Ray Serve DeploymentHandles in production).
 """
 
@@ -55,6 +59,14 @@ class ReplicaLost(Exception):
 
 class AttemptFailed(Exception):
     """The attempt failed for a reason another replica may not have (e.g. the KV hand-off)."""
+
+
+class ReplicaUnavailable(Exception):
+    """The replica refused the attempt before any work: its engine stopped (another one can serve)."""
+
+
+_UNAVAILABLE = "unavailable: "  # the kind a pool's error delta starts with (decode_pool.server)
+_UNAVAILABLE_PAUSE_S = 0.5  # about the period at which replica reports reach the router
 
 
 class PrefillFailed(AttemptFailed):
@@ -117,6 +129,7 @@ class Orchestrator:
         observer: AttemptObserver | None = None,
         remote_prefill: RemotePrefillEstimator | None = None,
         prefill_pool_down: Callable[[], bool] | None = None,
+        decode_pool_down: Callable[[], bool] | None = None,
     ) -> None:
         self.decode = decode
         self.prefill = prefill  # None: colocated
@@ -128,6 +141,7 @@ class Orchestrator:
         # True while the prefill pool has no replica that takes requests (all failed, or none left
         # while Serve replaces them): prompts then go straight to their decode replica.
         self.prefill_pool_down = prefill_pool_down or (lambda: False)
+        self.decode_pool_down = decode_pool_down or (lambda: False)  # the same, of the pool that streams tokens
         self.detokenize = detokenize  # (ids, skip_special_tokens) -> text; for resumed streams
         self.num_retries = 0
         self.num_resumes = 0
@@ -189,25 +203,29 @@ class Orchestrator:
         sent_ids: list[int] = []
         ttft_s: float | None = None
         text = _ResumedText(self.detokenize, prompt_token_ids, params.skip_special_tokens)
-        attempt = 0
+        attempt = 0  # attempts that failed count against max_retries; refused ones do not
+        num_calls = 0  # every call on the pools, for a fresh pool request id each
         # Decode computes the prompt: the prefill pool is down, or it failed an earlier attempt.
         prefill_here = self.prefill is not None and self.prefill_pool_down()
         while True:
             remaining = params.max_tokens - len(sent_ids)
             attempt_params = dataclasses.replace(params, max_tokens=remaining) if sent_ids else params
             request = ServeRequest(
-                request_id=f"{request_id}.{attempt}",
+                request_id=f"{request_id}.{num_calls}",
                 prompt_token_ids=prompt_token_ids + sent_ids,
                 sampling=attempt_params.to_dict(),
                 cache_salt=cache_salt,
                 prefill_here=prefill_here,
             )  # its trace_context is the attempt's span, set in _attempt
             resumed = bool(sent_ids)
-            span.set_attribute("attempts", attempt + 1)
+            num_calls += 1
+            span.set_attribute("attempts", num_calls)
             try:
                 async with contextlib.aclosing(self._attempt(request, deadline, span)) as attempt_deltas:
                     async for delta in attempt_deltas:
                         if delta.error is not None:
+                            if delta.error.startswith(_UNAVAILABLE):
+                                raise ReplicaUnavailable(delta.error)
                             if not sent_ids:
                                 raise_for_pool_error(delta.error)  # refusals: the caller answers with a status
                             raise AttemptFailed(delta.error)
@@ -224,6 +242,23 @@ class Orchestrator:
                 return
             except (InvalidRequestError, OverloadedError):
                 raise
+            except ReplicaUnavailable as exc:
+                # Its engine stopped and the router's view of the pool has not caught up yet (or it
+                # is the pool's only replica): ask again a moment later, uncounted, as Serve routes
+                # away from it or replaces it. A request with nothing sent yet gets its 503 at once
+                # once the pool is known to have no working replica; a resumed stream waits for one.
+                if not sent_ids and self.decode_pool_down():
+                    raise OverloadedError(
+                        "the decode pool has no working replica (being replaced); retry later"
+                    ) from exc
+                if time.monotonic() + _UNAVAILABLE_PAUSE_S > deadline:
+                    if not sent_ids:
+                        raise OverloadedError(f"no decode replica could take the request in time: {exc}") from exc
+                    yield StreamDelta(
+                        request_id, [], "", finish_reason="error", error=f"no decode replica came back: {exc}"
+                    )
+                    return
+                await asyncio.sleep(_UNAVAILABLE_PAUSE_S)
             except Exception as exc:
                 if not isinstance(exc, (ReplicaLost, AttemptFailed)):
                     if is_backpressure(exc) and not sent_ids:

@@ -285,6 +285,7 @@ class RouterServer:
             observer=self.metrics,
             remote_prefill=remote_prefill,
             prefill_pool_down=lambda: takes_requests("prefill") is False,
+            decode_pool_down=lambda: takes_requests("colocated" if prefill is None else "decode") is False,
         )
         self.max_concurrent_requests = max_concurrent_requests
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)

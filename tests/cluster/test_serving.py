@@ -811,10 +811,12 @@ def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expect
 
 # Every queue on a request's way made tiny: the router's admission, the decode replica's FIFO of
 # reservations waiting for KV blocks, Serve's queue in front of the prefill replica and the prefill
-# engine's waiting queue.
+# engine's waiting queue. The decode replica has three shards (for the shard drill after the burst;
+# SmolLM2's 3 KV heads take TP 1 or 3).
 QUEUES = {
     "mode": "disagg",
     "transport": "shm",
+    "decode.tensor_parallel_size": 3,
     "router.max_concurrent_requests": 40,
     "decode.max_num_waiting": 4,
     "prefill.max_ongoing_requests": 2,
@@ -856,3 +858,58 @@ def test_a_burst_past_every_queue_is_answered_exactly_or_refused_with_503_and_le
     assert len(queues) >= 2, refused[:4]  # the burst overflowed more than the router's own admission
     cluster.wait_idle(timeout_s=120)
     check_greedy(cluster, expected)
+
+
+@pytest.mark.chaos
+def test_a_decode_tp_shard_killed_mid_stream_resumes_every_stream_once_serve_replaced_the_replica(cluster, expected):
+    """The only decode replica (TP=3) loses a shard process while three streams decode: its engine
+    stops. Each stream resumes (prompt + tokens sent) once Serve has replaced the replica, within
+    its deadline, and continues token for token; a new request meanwhile is served or gets the
+    documented 503. The replacement comes within the bound below; then nothing is held anywhere."""
+    cluster.ensure(**QUEUES)
+    (replica,) = cluster.status()["pools"]["decode"]
+    old_shards = replica["shard_pids"]
+    assert len(old_shards) == 2 and all(pid > 0 for pid in old_shards), replica
+    resumes_before = cluster.status()["resumes"]
+    api = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    prompts, max_tokens = PROMPTS[:3], 48
+
+    async def one(prompt: str, counts: dict[str, int], started: asyncio.Event) -> str:
+        chunks = await api.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
+        text = []
+        async for chunk in chunks:
+            text.extend(c.text for c in chunk.choices)
+            counts[prompt] += 1
+            if len(counts) == len(prompts) and min(counts.values()) >= 3:
+                started.set()
+        return "".join(text)
+
+    async def drill() -> tuple[list[str], set[int]]:
+        counts: dict[str, int] = {p: 0 for p in prompts}
+        started = asyncio.Event()
+        streams = asyncio.gather(*(one(p, counts, started) for p in prompts))
+        await asyncio.wait_for(started.wait(), 120)
+        os.kill(old_shards[-1], signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        code, _, _ = await asyncio.to_thread(
+            post, cluster.url + "/v1/completions", {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 4}
+        )
+        return await streams, {code}
+
+    texts, meanwhile = asyncio.run(drill())
+    assert texts == [expected(p, max_tokens) for p in prompts]
+    assert meanwhile <= {200, 503}, meanwhile
+    assert cluster.status()["resumes"] - resumes_before >= 1
+    recovery_bound_s, started = 180.0, time.monotonic()
+    while True:
+        decode = cluster.status()["pools"].get("decode", [])
+        replaced = all(r["shard_pids"] and not set(r["shard_pids"]) & set(old_shards) for r in decode)
+        if decode and replaced and all(not r["engine_error"] for r in decode):
+            break
+        assert time.monotonic() - started < recovery_bound_s, decode
+        time.sleep(1.0)
+    cluster.wait_healthy()
+    cluster.wait_idle(timeout_s=60)
+    assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])

@@ -230,6 +230,28 @@ def test_stop_strings_cannot_resume_and_end_with_an_error_delta():
     assert len(decode.streams) == 1
 
 
+STOPPED = "unavailable: the engine stopped: a tensor-parallel shard died"  # a decode replica's refusal
+
+
+def test_a_replica_whose_engine_stopped_is_asked_again_uncounted_until_another_serves():
+    # The stream's replica fails mid-stream; the next two calls meet a replica that refuses (its
+    # engine stopped, the router's view not caught up yet); the third resumes. One resume counted.
+    decode = FakeDecode([{"die_after": 3}, {"error": STOPPED}, {"error": STOPPED}, {}])
+    orchestrator = Orchestrator(decode, FakePrefill([]), max_retries=1)
+    deltas = run(orchestrator, GREEDY)
+    assert tokens(deltas) == TOKENS[:8] and deltas[-1].finish_reason == "length"
+    assert [s.request.request_id for s in decode.streams] == ["req.0", "req.1", "req.2", "req.3"]
+    assert decode.streams[3].request.prompt_token_ids == [1, 2, 3, *TOKENS[:3]]
+    assert (orchestrator.num_resumes, orchestrator.num_retries) == (1, 0)
+
+
+def test_with_no_working_decode_replica_a_new_request_is_a_503_at_once():
+    decode = FakeDecode([{"error": STOPPED}, {}])
+    with pytest.raises(OverloadedError, match="no working replica"):
+        run(Orchestrator(decode, FakePrefill([]), decode_pool_down=lambda: True), GREEDY)
+    assert len(decode.streams) == 1
+
+
 def test_retries_are_bounded():
     decode = FakeDecode([{"die_after": 0}, {"die_after": 0}, {}])
     deltas = run(Orchestrator(decode, FakePrefill([]), max_retries=1), GREEDY)
