@@ -40,7 +40,7 @@ from engine.dtype_probe import resolve_auto_dtype
 from engine.model_loader import resolve_model_dir
 from prefill_pool.server import PrefillServer
 from router.auth import ADMIN_KEY_ENV, API_KEYS_ENV, KeyRing
-from router.server import DEFAULT_MAX_BODY_BYTES, RouterServer
+from router.server import RouterServer
 
 logger = logging.getLogger(__name__)
 APP_NAME = "pdserve"
@@ -285,7 +285,7 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
         "ray_actor_options": {"num_cpus": spec.cpus_per_shard},
         "placement_group_bundles": [{"CPU": spec.cpus_per_shard}] * tp,
         "placement_group_strategy": "STRICT_PACK",
-        "health_check_period_s": 5.0,
+        "health_check_period_s": config.health_check_period_s,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_wait_loop_s": 0.5,
         "graceful_shutdown_timeout_s": config.router.request_timeout_s,
@@ -373,7 +373,7 @@ def build_app(config: ClusterConfig):
         config.router.max_concurrent_requests,
         config.host,
         config.port,
-        DEFAULT_MAX_BODY_BYTES,
+        config.router.max_body_bytes,
         (config.tracing, config.tracing_endpoint),
         config.disaggregated and config.router.conditional_disaggregation,
         keyring,

@@ -96,6 +96,7 @@ class RouterConfig:
     # (about 12 ms per token on a 2-core CPU; far less on a GPU).
     kv_lease_per_token_s: float = 0.02
     max_concurrent_requests: int = 1024  # admission control: beyond it the router answers 503
+    max_body_bytes: int = 32 * 2**20  # a larger request body is refused (413) before it is read whole
     max_retries: int = 1  # prefill retries / decode resumes per request
     # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
     # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
@@ -116,6 +117,8 @@ class RouterConfig:
                 raise ConfigError(f"{key}={getattr(self, key)} must be > 0 seconds")
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
+        if type(self.max_body_bytes) is not int or self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes={self.max_body_bytes!r} must be an integer of at least 1024 bytes")
         if self.max_retries < 0:
             raise ConfigError(f"max_retries={self.max_retries} must be >= 0 (0 disables retries)")
         if type(self.conditional_disaggregation) is not bool:
@@ -158,6 +161,9 @@ class ClusterConfig:
     # Tokens per streamed chunk after the first (vLLM's --stream-interval): fewer chunks cost less
     # CPU on every hop, at the price of burstier streams (decode_pool/stream_interval.py).
     stream_interval: int = 1
+    # How often Serve asks each pool replica whether its engine runs; three failures in a row and
+    # the replica is stopped and replaced (a tensor-parallel shard died, a step raised).
+    health_check_period_s: float = 5.0
     # Where every process's trace spans go: none, console, file:PATH, otlp (common/tracing.py).
     tracing: str = "none"
     tracing_endpoint: str | None = None  # otlp: the collector's URL (default http://127.0.0.1:4318/v1/traces)
@@ -186,6 +192,8 @@ class ClusterConfig:
             )
         if type(self.stream_interval) is not int or self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
+        if not (isinstance(self.health_check_period_s, (int, float)) and self.health_check_period_s > 0):
+            raise ConfigError(f"health_check_period_s={self.health_check_period_s!r} must be > 0 seconds")
         check_tracing(self.tracing)
         if self.tracing.startswith("file:"):  # every replica's process has a working directory of its own
             object.__setattr__(self, "tracing", "file:" + str(Path(self.tracing.removeprefix("file:")).resolve()))

@@ -21,7 +21,8 @@ class ServeRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams.to_dict()
     cache_salt: str | None = None
-    kv_ticket: dict[str, Any] | None = None  # prefill only: where to push the KV
+    # Prefill only: where to push the KV. Out of the repr: it holds the transfer's secret.
+    kv_ticket: dict[str, Any] | None = field(default=None, repr=False)
     trace_context: dict[str, str] | None = None  # W3C traceparent/tracestate of the caller's span
     # Decode only, with conditional disaggregation: the router's estimate of the prefill pool's
     # path; the decode replica weighs it against computing the prompt itself. None: always remote.
@@ -54,7 +55,7 @@ class TicketIssued:
     """First item of a disaggregated decode stream: blocks are reserved, send the prompt's KV here."""
 
     request_id: str
-    ticket: dict[str, Any]  # kv_transfer.KVTicket.to_dict()
+    ticket: dict[str, Any] = field(repr=False)  # kv_transfer.KVTicket.to_dict(); holds its secret
     replica_id: str
 
 

@@ -68,7 +68,7 @@ class EngineReplica:
         hash (what Serve's routing stats carry to the router's cache-aware placement)."""
         fields = self.engine.snapshot  # published after every step (with its time): no wait behind a long prefill
         packed = b""
-        if include_cache:
+        if include_cache and self.engine.is_healthy:  # a stopped engine answers no question; its error must go out
             async with self._cache_lock:
                 packed = await self._packed_cached_blocks()
         return ReplicaReport(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import PdserveError
 from common.kv_layout import KVCacheLayout
@@ -24,7 +24,7 @@ class KVTicket:
     block_ids: tuple[int, ...]  # the same ids on every receiver shard
     num_tokens: int  # prompt tokens whose KV is sent
     lease_deadline: float  # time.time() after which the receiver refuses writes and frees the blocks
-    secret: bytes  # authenticates every chunk (HMAC); never logged
+    secret: bytes = field(repr=False)  # authenticates every chunk (HMAC); never logged
 
     def __post_init__(self) -> None:
         needed = -(-self.num_tokens // self.layout.block_size)
@@ -47,10 +47,10 @@ class KVTicket:
         mine = self.layout
         if model_id != self.model_id:
             raise TicketError(f"model mismatch: sender runs {model_id!r}, receiver {self.model_id!r}")
-        for field in ("num_layers", "total_kv_heads", "head_dim", "dtype"):
-            if getattr(layout, field) != getattr(mine, field):
+        for name in ("num_layers", "total_kv_heads", "head_dim", "dtype"):
+            if getattr(layout, name) != getattr(mine, name):
                 raise TicketError(
-                    f"layout mismatch on {field}: sender {getattr(layout, field)}, receiver {getattr(mine, field)}"
+                    f"layout mismatch on {name}: sender {getattr(layout, name)}, receiver {getattr(mine, name)}"
                 )
         if layout.block_size != mine.block_size:
             raise TicketError(

@@ -12,7 +12,8 @@ Failures (each attempt is a fresh request id on the pools, ``<id>.<attempt>``):
   reached the client yet, so the attempt's decode reservation is cancelled (its blocks are freed)
   and the request starts over, its prompt computed on the decode replica (``prefill_here``); while
   the prefill pool has no working replica (all failed, or Serve is replacing them) new requests
-  go there at once: a prefill pool that lost its only replica fails no request;
+  go there at once: losing the prefill pool's only replica fails no request that the decode
+  replica has room for;
 - a decode replica dies mid-stream: the request resumes elsewhere as prompt + tokens already sent,
   asking for the remaining ``max_tokens`` — greedy output continues token for token. Requests
   with stop strings cannot resume (text held back for stop matching died with the replica), so
@@ -20,7 +21,7 @@ Failures (each attempt is a fresh request id on the pools, ``<id>.<attempt>``):
 - a decode replica whose engine stopped refuses before any work ("unavailable"): the call is made
   again half a second later, not counted as a retry, until Serve routes it elsewhere or replaces
   the replica (a resumed stream waits for that, within its deadline; a request with nothing sent
-  yet gets a 503 once the pool is known to have no working replica).
+  yet gets a 503 while the pool is known to have no working replica, refused or being replaced).
 The pools are reached only through their handles (Ray Serve DeploymentHandles in production).
 """
 
@@ -66,7 +67,9 @@ class ReplicaUnavailable(Exception):
 
 
 _UNAVAILABLE = "unavailable: "  # the kind a pool's error delta starts with (decode_pool.server)
-_UNAVAILABLE_PAUSE_S = 0.5  # about the period at which replica reports reach the router
+# Replica reports reach the router every second (request_routing_stats_period_s): asking twice a
+# second finds the pool's new state soon after, at the cost of a cheap refused call.
+_UNAVAILABLE_PAUSE_S = 0.5
 
 
 class PrefillFailed(AttemptFailed):
@@ -208,6 +211,8 @@ class Orchestrator:
         # Decode computes the prompt: the prefill pool is down, or it failed an earlier attempt.
         prefill_here = self.prefill is not None and self.prefill_pool_down()
         while True:
+            if not sent_ids and self.decode_pool_down():  # Serve would hold the call until one is back
+                raise OverloadedError("the decode pool has no working replica (being replaced); retry later")
             remaining = params.max_tokens - len(sent_ids)
             attempt_params = dataclasses.replace(params, max_tokens=remaining) if sent_ids else params
             request = ServeRequest(
@@ -245,12 +250,9 @@ class Orchestrator:
             except ReplicaUnavailable as exc:
                 # Its engine stopped and the router's view of the pool has not caught up yet (or it
                 # is the pool's only replica): ask again a moment later, uncounted, as Serve routes
-                # away from it or replaces it. A request with nothing sent yet gets its 503 at once
-                # once the pool is known to have no working replica; a resumed stream waits for one.
-                if not sent_ids and self.decode_pool_down():
-                    raise OverloadedError(
-                        "the decode pool has no working replica (being replaced); retry later"
-                    ) from exc
+                # away from it or replaces it. A request with nothing sent yet gets its 503 (at the
+                # loop's top) once the pool is known to have no working replica; a resumed stream
+                # waits for one.
                 if time.monotonic() + _UNAVAILABLE_PAUSE_S > deadline:
                     if not sent_ids:
                         raise OverloadedError(f"no decode replica could take the request in time: {exc}") from exc
@@ -342,11 +344,12 @@ class Orchestrator:
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
                 if prefill_task is not None and num_yielded == 0 and delta.error is not None:
                     # Decode failed before any token: prefill's verdict says why, if it has one
-                    # (an overloaded prefill pool is a 503, not a failed hand-off).
+                    # (an overloaded prefill pool is a 503, not a failed hand-off). A hand-off that
+                    # failed with it is decode's failure, not prefill's: no failover to decode.
                     await asyncio.wait({prefill_task}, timeout=_facts_wait_s(deadline))
                     task, prefill_task = prefill_task, None
                     if task.done():
-                        _check_prefill(task, request.request_id)
+                        _check_prefill(task, request.request_id, prefill_to_blame=False)
                     else:
                         _discard(task)
                 if num_yielded == 0:
@@ -416,15 +419,18 @@ def _discard(task: asyncio.Future) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def _check_prefill(task: asyncio.Task, request_id: str) -> PrefillResult:
-    """A finished prefill with an error ends the attempt now, not when the decode lease runs out."""
+def _check_prefill(task: asyncio.Task, request_id: str, prefill_to_blame: bool = True) -> PrefillResult:
+    """A finished prefill with an error ends the attempt now, not when the decode lease runs out.
+    ``prefill_to_blame``: a failed hand-off is the prefill side's (PrefillFailed: the retry computes
+    the prompt on decode); False when decode already failed, which explains the hand-off's end."""
     exc = task.exception()
     if exc is not None:
         raise exc
     result: PrefillResult = task.result()
     if result.error is not None:
         raise_for_pool_error(result.error)
-        raise PrefillFailed(f"KV hand-off of {request_id} failed: {result.error}")
+        failure = PrefillFailed if prefill_to_blame else AttemptFailed
+        raise failure(f"KV hand-off of {request_id} failed: {result.error}")
     return result
 
 

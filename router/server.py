@@ -174,6 +174,8 @@ def _refusal(exc: Exception) -> ApiError:
         return _rate_limited(exc)
     if is_backpressure(exc):  # a pool's bounded queue (Serve's) is full: retry later, as any overload
         return protocol.api_error_from_exception(OverloadedError("the pools' queues are full; retry later"))
+    if isinstance(exc, TimeoutError):  # a pool did not answer the router's question in time
+        return protocol.api_error_from_exception(OverloadedError("the pools did not answer in time; retry later"))
     return protocol.api_error_from_exception(exc)
 
 
@@ -295,7 +297,7 @@ class RouterServer:
         self.num_admitting = 0  # requests between the room check and their start (body, tokenizer)
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
-        self._max_model_len_ask: asyncio.Future | None = None
+        self._max_model_len_ask: asyncio.Future[tuple[int, bool]] | None = None
         self.created = int(time.time())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -356,13 +358,14 @@ class RouterServer:
         pools = {"decode": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
         down, degraded = [], []
         for name, handle in pools.items():
+            if takes_requests("colocated" if self.prefill is None else name) is False:
+                # Not asked: while Serve replaces its replicas a call would wait for the new one.
+                (degraded if name == "prefill" else down).append(f"{name}: no working replica")
+                continue
             try:
                 await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
             except Exception as exc:
                 down.append(f"{name}: {type(exc).__name__}")
-                continue
-            if takes_requests("colocated" if self.prefill is None else name) is False:
-                (degraded if name == "prefill" else down).append(f"{name}: no working replica")
         if down:
             return JSONResponse({"status": "unavailable", "pools_down": down}, status_code=503)
         if degraded:
@@ -585,15 +588,24 @@ class RouterServer:
             if self._max_model_len_ask is None or self._max_model_len_ask.done():
                 self._max_model_len_ask = asyncio.ensure_future(self._ask_max_model_len())
             # Shielded: a client that leaves does not cancel the ask the others wait for.
-            self.max_model_len = await asyncio.shield(self._max_model_len_ask)
+            max_model_len, every_pool = await asyncio.shield(self._max_model_len_ask)
+            if not every_pool:
+                return max_model_len  # the prefill pool was down: not kept, asked again later
+            self.max_model_len = max_model_len
         return self.max_model_len
 
-    async def _ask_max_model_len(self) -> int:
-        lengths = []
-        for handle in [self.decode] + ([self.prefill] if self.prefill is not None else []):
-            report = await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
-            lengths.append(report["max_model_len"])
-        return min(lengths)
+    async def _ask_max_model_len(self) -> tuple[int, bool]:
+        """(the smaller context length, whether every pool answered): a prefill pool whose replicas
+        are all failed or being replaced is not asked (the call would wait for the new one)."""
+        from router.routing_state import takes_requests
+
+        report = await asyncio.wait_for(_await(self.decode.report.remote()), _POOL_CALL_TIMEOUT_S)
+        if self.prefill is None:
+            return report["max_model_len"], True
+        if takes_requests("prefill") is False:
+            return report["max_model_len"], False
+        prefill = await asyncio.wait_for(_await(self.prefill.report.remote()), _POOL_CALL_TIMEOUT_S)
+        return min(report["max_model_len"], prefill["max_model_len"]), True
 
     def _detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -148,3 +148,39 @@ def post_and_check(url: str, body: bytes, timeout_s: float = 60.0) -> int:
     else:
         assert json.loads(payload)["choices"], payload
     return status
+
+
+def models_requests() -> st.SearchStrategy[tuple[str, str, bytes, dict]]:
+    """(method, path with a query, body, headers) for /v1/models: every method, any query, any body,
+    any authorization and content type."""
+    query = st.one_of(st.just(""), st.text(alphabet="abc=&%0123456789xyz?", max_size=24).map(lambda q: "?" + q))
+    headers = st.fixed_dictionaries(
+        {},
+        optional={
+            "Authorization": st.sampled_from(["", "Bearer", "Bearer x", "Basic abc", "Bearer " + "k" * 300]),
+            "content-type": st.sampled_from(["application/json", "text/plain", "", "multipart/form-data"]),
+        },
+    )
+    return st.tuples(
+        st.sampled_from(["GET", "GET", "GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+        query.map(lambda q: "/v1/models" + q),
+        st.binary(max_size=64) | JSON.map(lambda b: json.dumps(b).encode()),
+        headers,
+    )
+
+
+def request_and_check(url: str, method: str, body: bytes, headers: dict, timeout_s: float = 30.0) -> int:
+    """Any method on a read-only endpoint: no 5xx; a refusal (but a bodiless HEAD) in OpenAI's error format."""
+    request = urllib.request.Request(url, data=body or None, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read()
+    assert status < 500, (method, url, status, payload[:300])
+    if status == 200 and method == "GET":
+        assert json.loads(payload)["object"] == "list", payload[:300]
+    elif status != 200 and method != "HEAD":
+        error = json.loads(payload)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], payload[:300]
+    return status

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +26,8 @@ BASE = {
     "router.kv_lease_s": 30.0,
     "kv_integrity": "mac",
     "router.conditional_disaggregation": False,
+    "router.max_body_bytes": 2**20,  # the errors test sends a body past it
+    "health_check_period_s": 1.0,  # the shard drills wait for Serve to replace a failed replica
 }
 
 
@@ -42,6 +45,16 @@ def post(url: str, body: bytes | dict, headers: dict | None = None, timeout: flo
             return response.status, dict(response.headers), json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether the process exists (same host)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class LocalCluster:
@@ -94,20 +107,29 @@ class LocalCluster:
         return get_json(self.url + "/pdserve/status")
 
     def wait_idle(self, timeout_s: float = 60.0) -> dict:
-        """Poll until nothing is in flight and every replica of every pool holds zero request blocks."""
+        """Poll until nothing is in flight, every replica of every pool holds zero request blocks,
+        and each pool has its configured number of replicas, every process of them alive (a killed
+        one replaced): the cluster is whole and idle again within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             status = self.status()
             reports = [r for pool in status["pools"].values() for r in pool]
-            busy = status["in_flight"] or any(
-                r["num_blocks_held"]
-                or r["num_running"]
-                or r["num_waiting"]
-                or r["num_reserved"]
-                or r.get("num_waiting_for_blocks")
-                for r in reports
+            whole = all(
+                len(status["pools"].get(pool, [])) == self.config.pool(pool).replicas for pool in self.config.pools()
+            ) and all(r["pid"] > 0 and all(map(_alive, [r["pid"], *r["shard_pids"]])) for r in reports)
+            busy = (
+                not whole
+                or status["in_flight"]
+                or any(
+                    r["num_blocks_held"]
+                    or r["num_running"]
+                    or r["num_waiting"]
+                    or r["num_reserved"]
+                    or r.get("num_waiting_for_blocks")
+                    for r in reports
+                )
             )
-            if not busy and len(status["pools"]) == len(self.config.pools()):
+            if not busy:
                 return status
             if time.monotonic() > deadline:
                 raise AssertionError(f"the pools did not drain: {status}")

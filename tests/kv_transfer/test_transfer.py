@@ -154,6 +154,17 @@ def _one_receiver(transport, lease_s=30.0, require_integrity: str = "none"):
     return receiver, ticket, dst
 
 
+def test_the_ticket_s_secret_is_in_no_repr():
+    from common.serving import ServeRequest, TicketIssued
+
+    dst, _ = make_side(1, fill=False)
+    ticket = make_ticket("req-1", "tcp", ["127.0.0.1:1"], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30.0)
+    as_dict = ticket.to_dict()
+    for shown in (ticket, ServeRequest("req-1", [1], {}, kv_ticket=as_dict), TicketIssued("req-1", as_dict, "d0")):
+        text = f"{shown!r} {shown!s}"
+        assert "req-1" in text and repr(ticket.secret) not in text and ticket.secret.hex() not in text
+
+
 def test_wrong_secret_is_refused_and_writes_nothing(transport):
     receiver, ticket, dst = _one_receiver(transport)
     header, payload = _layer0_chunk(num_heads=2)

@@ -34,6 +34,9 @@ tenants:
     max_concurrent_requests: 1
   - name: globex
     keys: [sk-globex-001]
+  - name: initech
+    keys: [sk-initech-01]
+    tokens_per_minute: 20
 admin_keys: [sk-admin-0001]
 """
 
@@ -240,6 +243,11 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             too_long = {**body, "prompt": [1] * 5000}
             assert (await request("/v1/completions", "sk-globex-001", too_long))[0] == 400
             assert server.tenant_gate.in_flight == {"acme": 0, "globex": 0}
+            # initech may spend 20 tokens a minute: prompt + max_tokens are charged at admission.
+            assert (await request("/v1/completions", "sk-initech-01", body))[0] == 200  # 3 + 4
+            status, headers, error = await request("/v1/completions", "sk-initech-01", {**body, "max_tokens": 30})
+            assert status == 429 and int(headers["retry-after"]) >= 1, error
+            assert error["error"]["code"] == "rate_limit_exceeded" and error["error"]["type"] == "tokens"
         finally:
             await server.listener.stop()
 

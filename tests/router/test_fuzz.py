@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from common.serving import ServeRequest, StreamDelta
 from router.server import RouterServer
-from tests.fuzz_requests import post_and_check, requests
+from tests.fuzz_requests import models_requests, post_and_check, request_and_check, requests
 from tests.router.test_orchestrator import FakeResponse, FakeStream
 
 MODEL = "smol"
@@ -94,6 +94,19 @@ def test_no_body_gets_a_5xx_or_hangs(server, request: tuple[str, bytes]):
     router, _ = server
     path, body = request
     post_and_check(f"http://127.0.0.1:{router.listener.port}{path}", body, timeout_s=30)
+
+
+@settings(
+    max_examples=EXAMPLES // 4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(request=models_requests())
+def test_no_method_query_or_header_on_the_models_list_gets_a_5xx(server, request):
+    router, _ = server
+    method, path, body, headers = request
+    request_and_check(f"http://127.0.0.1:{router.listener.port}{path}", method, body, headers)
 
 
 def test_after_the_fuzzing_nothing_is_left_in_flight_and_the_server_still_answers(server):

@@ -249,6 +249,12 @@ def test_with_no_working_decode_replica_a_new_request_is_a_503_at_once():
     decode = FakeDecode([{"error": STOPPED}, {}])
     with pytest.raises(OverloadedError, match="no working replica"):
         run(Orchestrator(decode, FakePrefill([]), decode_pool_down=lambda: True), GREEDY)
+    assert not decode.streams  # not even asked: Serve would hold the call until a replica is back
+    # Known down only after a replica refused: the next call is not made either.
+    down = iter([False, True])
+    decode = FakeDecode([{"error": STOPPED}, {}])
+    with pytest.raises(OverloadedError, match="no working replica"):
+        run(Orchestrator(decode, FakePrefill([]), decode_pool_down=lambda: next(down)), GREEDY)
     assert len(decode.streams) == 1
 
 
@@ -451,6 +457,76 @@ def test_decode_failing_before_its_first_token_takes_prefills_verdict():
     )
     with pytest.raises(OverloadedError, match="already waiting"):  # a 503, not a failed hand-off
         run(Orchestrator(TicketThenError([{}]), prefill, max_retries=0), GREEDY)
+
+
+class FirstTicketThenError(FakeDecode):
+    """Its first call issues a ticket, then fails with ``error`` before any token; later calls serve."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__([{}, {}])
+        self.error = error
+
+    def remote(self, request):
+        stream = super().remote(request)
+        if len(self.streams) == 1:
+
+            async def items():
+                yield TicketIssued(request.request_id, {"request_id": request.request_id}, "d0")
+                yield StreamDelta(request.request_id, [], "", finish_reason="error", error=self.error)
+
+            stream._items = items()
+        return stream
+
+
+def test_a_hand_off_that_failed_with_its_decode_side_keeps_the_retry_on_the_prefill_pool():
+    release = asyncio.Event()  # prefill's reply (its hand-off failed) comes after decode's error
+    decode = FirstTicketThenError("engine stopped")
+    prefill = FakePrefill([])
+    replies = iter([PrefillResult("req.0", None, 0, "the receiver went away"), None])
+
+    def reply(request):
+        prefill.requests.append(request)
+        outcome = next(replies) or PrefillResult(request.request_id, 1, 0)
+        if outcome.error is not None:
+            asyncio.get_running_loop().call_later(0.05, release.set)
+            return HeldResponse(outcome, release)
+        return FakeResponse(outcome)
+
+    prefill.remote = reply
+    assert tokens(run(Orchestrator(decode, prefill, max_retries=1), GREEDY)) == TOKENS[:8]
+    assert not decode.streams[1].request.prefill_here and len(prefill.requests) == 2
+
+
+def test_once_decode_failed_a_prefill_that_never_answers_is_waited_for_a_moment_only(monkeypatch):
+    from router import orchestrator as module
+
+    monkeypatch.setattr(module, "_PREFILL_FACTS_WAIT_S", 0.2)  # 5 s in production
+    never = asyncio.Event()  # the first prefill reply never comes
+    prefill = FakePrefill([])
+    prefill.remote = lambda request: prefill.requests.append(request) or HeldResponse(None, never)
+    started = time.monotonic()
+    deltas = run(Orchestrator(FirstTicketThenError("KV transfer failed"), prefill, request_timeout_s=60), GREEDY)
+    assert tokens(deltas) == TOKENS[:8]  # retried on decode, not held until the request's 60 s deadline
+    assert time.monotonic() - started < 5
+
+
+def test_a_decode_stream_that_never_answers_ends_at_the_request_s_deadline():
+    class Silent(FakeDecode):
+        def remote(self, request):
+            stream = super().remote(request)
+
+            async def items():
+                await asyncio.Event().wait()  # the replica hangs
+                yield  # pragma: no cover
+
+            stream._items = items()
+            return stream
+
+    decode = Silent([{}, {}])
+    started = time.monotonic()
+    deltas = run(Orchestrator(decode, FakePrefill([]), request_timeout_s=0.3, max_retries=1), GREEDY)
+    assert deltas[-1].finish_reason == "error" and "timed out" in deltas[-1].error
+    assert time.monotonic() - started < 3 and decode.streams[0].cancelled
 
 
 def test_serve_back_pressure_is_a_503_and_other_pool_errors_are_retried():

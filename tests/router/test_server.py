@@ -99,7 +99,10 @@ class CountingPool:
         return answer()
 
 
-def test_a_burst_on_a_fresh_router_asks_the_pools_their_context_length_once():
+def test_a_burst_on_a_fresh_router_asks_the_pools_their_context_length_once(monkeypatch):
+    from router import routing_state
+
+    monkeypatch.setattr(routing_state, "_LATEST", {})
     server = BareServer()
     server.decode, server.prefill = CountingPool(8192), CountingPool(4096, fail=1)
     server.max_model_len, server._max_model_len_ask = None, None
@@ -111,6 +114,18 @@ def test_a_burst_on_a_fresh_router_asks_the_pools_their_context_length_once():
     assert all(isinstance(r, TimeoutError) for r in first) and server.prefill.calls == 1
     assert asyncio.run(burst()) == [4096] * 50  # asked again, once, and kept
     assert (server.decode.calls, server.prefill.calls) == (2, 2)
+
+
+def test_a_prefill_pool_being_replaced_is_not_asked_and_its_answer_is_not_kept(monkeypatch):
+    from router import routing_state
+
+    monkeypatch.setattr(routing_state, "_LATEST", {"prefill": (0.0, {})})  # no replica left
+    server = BareServer()
+    server.decode, server.prefill = CountingPool(8192), CountingPool(4096)
+    server.max_model_len, server._max_model_len_ask = None, None
+    assert asyncio.run(server._max_model_len()) == 8192 and server.prefill.calls == 0
+    routing_state.record("prefill", {"p1": {"engine_error": ""}})  # the replacement is up
+    assert asyncio.run(server._max_model_len()) == 4096 and server.max_model_len == 4096
 
 
 def test_a_full_pool_queue_met_before_any_pool_work_is_a_503():
