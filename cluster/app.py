@@ -387,10 +387,11 @@ def build_app(config: ClusterConfig):
         # the streams it cancels at its end must still reach the pools.
         "graceful_shutdown_timeout_s": config.router.request_timeout_s + 30,
     }
-    # The pool handles are bound by deployment name, so the scalar arguments fix the version.
+    # The pool handles are bound by deployment name, so the scalar arguments fix the version (the
+    # scaler, a function of this module, is the same in every version).
     version = _version(RouterServer, (config.pools(), router_args), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
-    return router.bind(decode, prefill, *router_args)
+    return router.bind(decode, prefill, *router_args, scaler=scale_running_app)
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
@@ -399,10 +400,57 @@ def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
     started = time.monotonic()
     start_ray(config)
     start_serve(config)
-    serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
+    run_app(config)
     if blocking_ready:
         wait_ready(config.router.request_timeout_s)
     return time.monotonic() - started
+
+
+# The configuration the app runs, in Ray's key-value store: a resize from any process (the router's
+# POST /pdserve/scale, `pdserve scale`) starts from it and changes only the counts it is asked for.
+_CONFIG_KEY = b"pdserve/cluster_config"
+
+
+def run_app(config: ClusterConfig) -> None:
+    """Deploy (or redeploy) the app for ``config`` on the running Serve, and record ``config``. A
+    redeploy that changes only replica counts keeps every deployment's version (see _version):
+    Serve adds or drains replicas in place; the router and its open streams are untouched."""
+    from ray.experimental import internal_kv
+
+    serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
+    internal_kv._internal_kv_put(_CONFIG_KEY, json.dumps(config.to_dict()), namespace=APP_NAME)
+
+
+def running_config() -> ClusterConfig:
+    """The configuration the app was last deployed with (by any process of this Ray cluster)."""
+    from ray.experimental import internal_kv
+
+    recorded = internal_kv._internal_kv_get(_CONFIG_KEY, namespace=APP_NAME)
+    if recorded is None:
+        raise ConfigError("no pdserve app is recorded in this Ray cluster; start one with `pdserve serve`")
+    return ClusterConfig.from_dict(json.loads(recorded))
+
+
+def scale_running_app(counts: dict[str, int]) -> dict[str, int]:
+    """Resize the running app's pools to ``counts`` (pool -> replicas, >= 1), the others as they
+    are; returns every pool's count once the app is running again. What the router's admin
+    endpoint POST /pdserve/scale calls (in a thread: it blocks until Serve is done)."""
+    config = scaled(running_config(), counts)
+    if not config.ray_address:
+        check_cores(config, len(host_cores()))
+    run_app(config)
+    wait_ready(config.router.request_timeout_s)
+    return {pool: config.pool(pool).replicas for pool in config.pools()}
+
+
+def scaled(config: ClusterConfig, counts: dict[str, int]) -> ClusterConfig:
+    """``config`` with the pools of ``counts`` resized; refuses a pool the mode does not have."""
+    changes = {}
+    for pool, replicas in counts.items():
+        if type(replicas) is not int or replicas < 1:
+            raise ConfigError(f"{pool}={replicas!r}: a pool's replicas must be an integer >= 1")
+        changes[pool] = dataclasses.replace(config.pool(pool), replicas=replicas)
+    return dataclasses.replace(config, **changes)
 
 
 def wait_ready(timeout_s: float) -> None:

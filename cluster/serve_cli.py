@@ -8,7 +8,6 @@ which Serve applies in place (replicas leaving are drained first).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from typing import Any
 
 from cluster.cluster_config import ClusterConfig, load_cluster_config, parse_override
 from common import env
-from common.cpu_cores import format_core_list, host_cores
+from common.cpu_cores import format_core_list
 from common.errors import ConfigError
 from router.auth import ADMIN_KEY_ENV
 
@@ -244,31 +243,41 @@ def parse_scale(items: list[str]) -> dict[str, int]:
     return counts
 
 
-def scaled(config: ClusterConfig, counts: dict[str, int]) -> ClusterConfig:
-    changes = {}
-    for pool, replicas in counts.items():
-        config.pool(pool)  # refuses a pool the running mode does not have
-        changes[pool] = dataclasses.replace(config.pool(pool), replicas=replicas)
-    return dataclasses.replace(config, **changes)
-
-
 def cmd_scale(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from cluster import app
-
+    """Through the router's admin endpoint (POST /pdserve/scale, PDSERVE_ADMIN_KEY): an operator
+    needs the router's port and the admin key, not access to Ray."""
     counts = parse_scale(args.pools)
-    state = _read_state()
-    config = scaled(ClusterConfig.from_dict(state["config"]), counts)
-    if not config.ray_address:
-        app.check_cores(config, len(host_cores()))
-    ray.init(address=config.ray_address or "auto", namespace=app.APP_NAME, log_to_driver=False)
-    serve.run(app.build_app(config), name=app.APP_NAME, route_prefix=None, blocking=False)
-    app.wait_ready(config.router.request_timeout_s)
-    _write_state(config, state["port"])
-    print("scaled: " + ", ".join(f"{pool}={config.pool(pool).replicas}" for pool in config.pools()))
+    url = _router_url(args) + "/pdserve/scale"
+    status, answer = _admin_post(url, counts, timeout_s=SCALE_TIMEOUT_S)
+    if status != 200:
+        message = answer.get("error", {}).get("message", answer) if isinstance(answer, dict) else answer
+        raise ConfigError(f"the router at {url} refused the scale ({status}): {message}")
+    print("scaled: " + ", ".join(f"{pool}={n}" for pool, n in answer["replicas"].items()))
     return 0
+
+
+# A resize waits for Serve to start the new replicas (a model load each) or drain the old ones.
+SCALE_TIMEOUT_S = 900.0
+
+
+def _admin_post(url: str, body: dict, timeout_s: float) -> tuple[int, Any]:
+    admin_key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    headers = {"content-type": "application/json"}
+    if admin_key:
+        headers["Authorization"] = f"Bearer {admin_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise ConfigError(f"the router at {url} wants an admin key: set {ADMIN_KEY_ENV}") from None
+        try:
+            return exc.code, json.loads(exc.read())
+        except ValueError:
+            return exc.code, {}
+    except (urllib.error.URLError, OSError) as exc:
+        raise ConfigError(f"cannot reach the router at {url}: {exc}") from None
 
 
 def add_subcommands(sub: Any) -> None:
@@ -283,4 +292,5 @@ def add_subcommands(sub: Any) -> None:
 
     scale = sub.add_parser("scale", help="resize pools of the running cluster, e.g. prefill=2 decode=1")
     scale.add_argument("pools", nargs="+", metavar="POOL=N")
+    scale.add_argument("--url", help="router URL (default: the running `pdserve serve`)")
     scale.set_defaults(func=cmd_scale)

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.block_hash import SHORT_HASH_BYTES
-from common.errors import InvalidRequestError, OverloadedError
+from common.errors import ConfigError, InvalidRequestError, OverloadedError
 from common.serving import StreamDelta
 from common.tracing import extract, setup_tracing
 from router import protocol
@@ -256,6 +256,7 @@ class RouterServer:
         tracing: tuple[str, str | None] = ("none", None),
         conditional_disaggregation: bool = False,
         keyring: KeyRing | None = None,
+        scaler: Callable[[dict[str, int]], dict[str, int]] | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -298,6 +299,8 @@ class RouterServer:
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
         self._max_model_len_ask: asyncio.Future[tuple[int, bool]] | None = None
+        self.scaler = scaler  # cluster.app.scale_running_app, for POST /pdserve/scale
+        self._scaling = asyncio.Lock()
         self.created = int(time.time())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -316,6 +319,7 @@ class RouterServer:
         api.add_api_route("/v1/models", self.models, methods=["GET"])
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/pdserve/status", self.status, methods=["GET"])
+        api.add_api_route("/pdserve/scale", self.scale, methods=["POST"])
         api.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -399,6 +403,31 @@ class RouterServer:
             "retries": self.orchestrator.num_retries,
             "resumes": self.orchestrator.num_resumes,
         }
+
+    async def scale(self, request: Request) -> Any:
+        """Admin: resize pools, ``{"decode": 2}``; answers once Serve runs the new counts (the
+        scaler, cluster.app.scale_running_app, redeploys with only num_replicas changed: the
+        router and its streams stay). One resize at a time (409 while one runs)."""
+        try:
+            self.keyring.check_admin(request.headers.get("authorization"))
+        except Unauthorized as exc:
+            return _error_response(_unauthorized(exc))
+        try:
+            body = protocol.decode_body(await _read_body(request, 4096))
+            if not isinstance(body, dict) or not body or not all(isinstance(k, str) for k in body):
+                raise InvalidRequestError('write the pools to resize as {"decode": 2, "prefill": 1}')
+            if self.scaler is None:
+                raise InvalidRequestError("this router was started without a scaler (not by cluster.app)")
+            if self._scaling.locked():
+                raise protocol.ApiError(409, "another resize is running; retry when it is done", code="conflict")
+            async with self._scaling:
+                replicas = await asyncio.to_thread(self.scaler, body)
+        except ConfigError as exc:  # a pool the mode does not have, a count below 1, too few cores
+            return _error_response(protocol.api_error_from_exception(InvalidRequestError(str(exc))))
+        except Exception as exc:
+            return _error_response(protocol.api_error_from_exception(exc))
+        logger.info("pools resized: %s", replicas)
+        return {"replicas": replicas}
 
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

@@ -84,12 +84,18 @@ class LocalCluster:
         return config
 
     def deploy(self, config: ClusterConfig) -> None:
-        from ray import serve
-
-        serve.run(app.build_app(config), name=app.APP_NAME, route_prefix=None, blocking=False)
+        app.run_app(config)
         app.wait_ready(300)
         self.config = config
         self.wait_healthy()
+
+    def scale(self, **counts: int) -> dict:
+        """Resize pools through the router's admin endpoint, as `pdserve scale` does."""
+        code, _, answer = post(self.url + "/pdserve/scale", counts, timeout=600)
+        assert code == 200, answer
+        assert self.config is not None
+        self.config = app.scaled(self.config, counts)
+        return answer["replicas"]
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s

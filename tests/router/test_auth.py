@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -206,10 +207,18 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
 
     pool = Pool()
     body = {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4, "cache_salt": "mine"}  # FakeStream: 3 tokens
+    resized: list[dict] = []
+
+    def scaler(counts: dict) -> dict:  # cluster.app.scale_running_app's contract, without a cluster
+        if counts.get("colocated", 1) < 1:
+            raise ConfigError("colocated=0: a pool's replicas must be an integer >= 1")
+        time.sleep(0.3)  # Serve starting replicas
+        resized.append(counts)
+        return {"colocated": counts["colocated"]}
 
     async def scenario() -> None:
         ring = KeyRing.load(keys_file, {})
-        server = RouterServer(pool, None, "smol", str(smol_dir), mode="colocated", port=0, keyring=ring)
+        server = RouterServer(pool, None, "smol", str(smol_dir), mode="colocated", port=0, keyring=ring, scaler=scaler)
         port = server.listener.port
         try:
 
@@ -226,6 +235,14 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             assert (await request("/pdserve/status", "sk-acme-0001"))[0] == 401
             assert (await request("/pdserve/status", "sk-admin-0001"))[0] == 200
             assert (await request("/health", None))[0] != 401  # probes need no key
+            # Resizing is an admin's: a tenant's key is refused, bad bodies are 400s, one at a time.
+            assert (await request("/pdserve/scale", "sk-acme-0001", {"colocated": 2}))[0] == 401
+            assert (await request("/pdserve/scale", "sk-admin-0001", {"colocated": 0}))[0] == 400
+            assert (await request("/pdserve/scale", "sk-admin-0001", {}))[0] == 400
+            both = await asyncio.gather(*(request("/pdserve/scale", "sk-admin-0001", {"colocated": 2}) for _ in "ab"))
+            assert sorted(code for code, _, _ in both) == [200, 409], both
+            assert [answer for code, _, answer in both if code == 200] == [{"replicas": {"colocated": 2}}]
+            assert resized == [{"colocated": 2}]
             assert len(pool.sent) == 0  # nothing refused reached a pool
 
             status, _, answer = await request("/v1/completions", "sk-acme-0001", body)
