@@ -28,6 +28,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster import scaling
 from cluster.cluster_config import KV_SHARE_OF_HOST, ClusterConfig, PoolConfig
 from cluster.ray_launcher import RayShardLauncher
 from common import env
@@ -355,10 +356,12 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def build_app(config: ClusterConfig):
-    """The Serve application for ``config`` (the model is converted here, once, if needed)."""
-    keyring = load_keyring(config)
-    model_dir = str(resolve_model_dir(config.model, None))
+def build_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: str | None = None):
+    """The Serve application for ``config`` (the model is converted here, once, if needed).
+    ``keyring``, ``model_dir``: the running app's, for a resize from the router's process (whose
+    environment and files need not be the deploying shell's): the router's version must not move."""
+    keyring = keyring if keyring is not None else load_keyring(config)
+    model_dir = model_dir if model_dir is not None else str(resolve_model_dir(config.model, None))
     if config.disaggregated:
         prefill = _pool_deployment(config, "prefill", model_dir)
         decode = _pool_deployment(config, "decode", model_dir)
@@ -391,7 +394,7 @@ def build_app(config: ClusterConfig):
     # scaler, a function of this module, is the same in every version).
     version = _version(RouterServer, (config.pools(), router_args), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
-    return router.bind(decode, prefill, *router_args, scaler=scale_running_app)
+    return router.bind(decode, prefill, *router_args, scaler=scaling.scale)
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
@@ -411,13 +414,14 @@ def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
 _CONFIG_KEY = b"pdserve/cluster_config"
 
 
-def run_app(config: ClusterConfig) -> None:
-    """Deploy (or redeploy) the app for ``config`` on the running Serve, and record ``config``. A
-    redeploy that changes only replica counts keeps every deployment's version (see _version):
-    Serve adds or drains replicas in place; the router and its open streams are untouched."""
+def run_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: str | None = None) -> None:
+    """Deploy (or redeploy) the app for ``config`` on the running Serve (returns once it runs),
+    and record ``config``. A redeploy that changes only replica counts keeps every deployment's
+    version (see _version): Serve adds or drains replicas in place; the router and its open
+    streams are untouched."""
     from ray.experimental import internal_kv
 
-    serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
+    serve.run(build_app(config, keyring, model_dir), name=APP_NAME, route_prefix=None, blocking=False)
     internal_kv._internal_kv_put(_CONFIG_KEY, json.dumps(config.to_dict()), namespace=APP_NAME)
 
 
@@ -431,15 +435,16 @@ def running_config() -> ClusterConfig:
     return ClusterConfig.from_dict(json.loads(recorded))
 
 
-def scale_running_app(counts: dict[str, int]) -> dict[str, int]:
+def scale_running_app(counts: dict[str, int], keyring: KeyRing, model_dir: str) -> dict[str, int]:
     """Resize the running app's pools to ``counts`` (pool -> replicas, >= 1), the others as they
-    are; returns every pool's count once the app is running again. What the router's admin
-    endpoint POST /pdserve/scale calls (in a thread: it blocks until Serve is done)."""
+    are; returns every pool's count once the app runs them. What the router's admin endpoint
+    POST /pdserve/scale calls (cluster.scaling, in a thread: Serve's deploy blocks until it runs),
+    with the running router's keyring and model directory."""
     config = scaled(running_config(), counts)
-    if not config.ray_address:
-        check_cores(config, len(host_cores()))
-    run_app(config)
-    wait_ready(config.router.request_timeout_s)
+    needed, available = cpus_needed(config), ray.cluster_resources().get("CPU", 0.0)
+    if needed > available:  # Serve would wait for the CPUs forever, the resize with it
+        raise ConfigError(f"{counts} needs {needed:g} CPUs of Ray's; the cluster has {available:g}")
+    run_app(config, keyring, model_dir)
     return {pool: config.pool(pool).replicas for pool in config.pools()}
 
 

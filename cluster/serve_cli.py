@@ -271,7 +271,8 @@ def _admin_post(url: str, body: dict, timeout_s: float) -> tuple[int, Any]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
-            raise ConfigError(f"the router at {url} wants an admin key: set {ADMIN_KEY_ENV}") from None
+            why = f"refused the key in {ADMIN_KEY_ENV}" if admin_key else f"wants an admin key: set {ADMIN_KEY_ENV}"
+            raise ConfigError(f"the router at {url} {why}") from None
         try:
             return exc.code, json.loads(exc.read())
         except ValueError:

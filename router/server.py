@@ -256,7 +256,7 @@ class RouterServer:
         tracing: tuple[str, str | None] = ("none", None),
         conditional_disaggregation: bool = False,
         keyring: KeyRing | None = None,
-        scaler: Callable[[dict[str, int]], dict[str, int]] | None = None,
+        scaler: Callable[[dict[str, int], KeyRing, str], dict[str, int]] | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -299,8 +299,9 @@ class RouterServer:
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
         self.max_model_len: int | None = None
         self._max_model_len_ask: asyncio.Future[tuple[int, bool]] | None = None
-        self.scaler = scaler  # cluster.app.scale_running_app, for POST /pdserve/scale
-        self._scaling = asyncio.Lock()
+        self.scaler = scaler  # cluster.scaling.scale, for POST /pdserve/scale
+        self.model_dir = model_dir
+        self._resize: asyncio.Future | None = None  # the resize running in a thread, if any
         self.created = int(time.time())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -406,8 +407,9 @@ class RouterServer:
 
     async def scale(self, request: Request) -> Any:
         """Admin: resize pools, ``{"decode": 2}``; answers once Serve runs the new counts (the
-        scaler, cluster.app.scale_running_app, redeploys with only num_replicas changed: the
-        router and its streams stay). One resize at a time (409 while one runs)."""
+        scaler, cluster.app.scale_running_app, redeploys with only num_replicas changed and this
+        router's own keyring and model directory: the router and its streams stay). One resize
+        at a time: 409 while one runs, even one whose caller left."""
         try:
             self.keyring.check_admin(request.headers.get("authorization"))
         except Unauthorized as exc:
@@ -418,14 +420,18 @@ class RouterServer:
                 raise InvalidRequestError('write the pools to resize as {"decode": 2, "prefill": 1}')
             if self.scaler is None:
                 raise InvalidRequestError("this router was started without a scaler (not by cluster.app)")
-            if self._scaling.locked():
+            if self._resize is not None and not self._resize.done():
                 raise protocol.ApiError(409, "another resize is running; retry when it is done", code="conflict")
-            async with self._scaling:
-                replicas = await asyncio.to_thread(self.scaler, body)
-        except ConfigError as exc:  # a pool the mode does not have, a count below 1, too few cores
+            resize = asyncio.get_running_loop().run_in_executor(None, self.scaler, body, self.keyring, self.model_dir)
+            self._resize = resize
+            replicas = await asyncio.shield(resize)  # a thread cannot be cancelled: it runs to its end
+        except ConfigError as exc:  # a pool the mode does not have, a count below 1, too few CPUs
             return _error_response(protocol.api_error_from_exception(InvalidRequestError(str(exc))))
-        except Exception as exc:
+        except (protocol.ApiError, InvalidRequestError) as exc:
             return _error_response(protocol.api_error_from_exception(exc))
+        except Exception as exc:  # Serve refused the deploy: the admin sees why
+            logger.exception("resize to %s failed", body)
+            return _error_response(protocol.ApiError(500, f"the resize failed: {exc}", type="server_error"))
         logger.info("pools resized: %s", replicas)
         return {"replicas": replicas}
 

@@ -487,6 +487,9 @@ def test_a_prefill_tp_shard_killed_mid_prefill_fails_over_to_decode_until_serve_
         # take seconds), the router says so and a new request still answers exactly.
         assert wait_for_health(cluster, "degraded", timeout_s=30) <= {"ok", "degraded"}
         assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
+        prefill = cluster.status()["pools"].get("prefill", [])
+        # ...and was served while the failed replica was still there or already gone, not replaced.
+        assert not prefill or any(set(r["shard_pids"]) & set(old_shards) for r in prefill), prefill
     assert cluster.status()["retries"] > retries_before  # the kill hit requests in flight
     recovery_bound_s = 180.0
     while True:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 import urllib.error
 import urllib.request
 
@@ -207,13 +207,14 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
 
     pool = Pool()
     body = {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4, "cache_salt": "mine"}  # FakeStream: 3 tokens
-    resized: list[dict] = []
+    resized: list[tuple[dict, str]] = []
+    conflict_seen = threading.Event()
 
-    def scaler(counts: dict) -> dict:  # cluster.app.scale_running_app's contract, without a cluster
+    def scaler(counts: dict, keyring: KeyRing, model_dir: str) -> dict:  # cluster.scaling.scale's contract
         if counts.get("colocated", 1) < 1:
             raise ConfigError("colocated=0: a pool's replicas must be an integer >= 1")
-        time.sleep(0.3)  # Serve starting replicas
-        resized.append(counts)
+        assert conflict_seen.wait(30)  # Serve starting replicas, until the test saw the second call refused
+        resized.append((counts, keyring.fingerprint))
         return {"colocated": counts["colocated"]}
 
     async def scenario() -> None:
@@ -239,10 +240,15 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             assert (await request("/pdserve/scale", "sk-acme-0001", {"colocated": 2}))[0] == 401
             assert (await request("/pdserve/scale", "sk-admin-0001", {"colocated": 0}))[0] == 400
             assert (await request("/pdserve/scale", "sk-admin-0001", {}))[0] == 400
-            both = await asyncio.gather(*(request("/pdserve/scale", "sk-admin-0001", {"colocated": 2}) for _ in "ab"))
-            assert sorted(code for code, _, _ in both) == [200, 409], both
-            assert [answer for code, _, answer in both if code == 200] == [{"replicas": {"colocated": 2}}]
-            assert resized == [{"colocated": 2}]
+            first = asyncio.ensure_future(request("/pdserve/scale", "sk-admin-0001", {"colocated": 2}))
+            while server._resize is None or server._resize.done():  # until the first resize runs
+                await asyncio.sleep(0.01)
+            refused = await request("/pdserve/scale", "sk-admin-0001", {"colocated": 3})
+            assert refused[0] == 409, refused
+            conflict_seen.set()
+            code, _, answer = await first
+            assert (code, answer) == (200, {"replicas": {"colocated": 2}})
+            assert resized == [({"colocated": 2}, ring.fingerprint)]  # with the running router's keys
             assert len(pool.sent) == 0  # nothing refused reached a pool
 
             status, _, answer = await request("/v1/completions", "sk-acme-0001", body)
