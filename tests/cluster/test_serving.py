@@ -407,17 +407,6 @@ def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(cluster):
     assert status["metrics"]["outcomes"].get("cancelled", 0) >= 1
 
 
-def wait_for_health(cluster: LocalCluster, wanted: str, timeout_s: float) -> set[str]:
-    """Poll /health until it says ``wanted``; every status seen (a 503 raises: nothing here may be down)."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + timeout_s
-    while wanted not in seen:
-        assert time.monotonic() < deadline, f"/health never said {wanted!r}: {seen}"
-        seen.add(get_json(cluster.url + "/health")["status"])
-        time.sleep(0.2)
-    return seen
-
-
 async def post_raw(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A POST /v1/completions on a socket of the test's own (to cut it, or read the raw stream)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -483,14 +472,10 @@ def test_a_prefill_tp_shard_killed_mid_prefill_fails_over_to_decode_until_serve_
     with long_prompts_in_flight(cluster, expected, 4, "Shard drill"):  # prefill busy for a second or more
         os.kill(old_shards[-1], signal.SIGKILL)
         killed = time.monotonic()
-        # While the replica is failed (Serve's three health checks and a new replica's model load
-        # take seconds), the router says so and a new request still answers exactly.
-        assert wait_for_health(cluster, "degraded", timeout_s=30) <= {"ok", "degraded"}
+        # A request right after the kill answers exactly too. (Had the prompts been computed
+        # before the kill, it is the step that finds the shard gone.)
         assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
-        prefill = cluster.status()["pools"].get("prefill", [])
-        # ...and was served while the failed replica was still there or already gone, not replaced.
-        assert not prefill or any(set(r["shard_pids"]) & set(old_shards) for r in prefill), prefill
-    assert cluster.status()["retries"] > retries_before  # the kill hit requests in flight
+    assert cluster.status()["retries"] > retries_before  # requests failed over to decode
     recovery_bound_s = 180.0
     while True:
         prefill = cluster.status()["pools"].get("prefill", [])
@@ -512,6 +497,8 @@ def test_the_router_killed_mid_stream_cuts_its_clients_and_the_pools_drop_their_
     the bound below; the pools abort the orphaned requests (2,000 tokens each would decode for
     minutes) and hold nothing; the next request is exact."""
     cluster.ensure(**DISAGG, transport="shm")
+    cluster.wait_healthy()
+    cluster.wait_idle(timeout_s=180)  # a whole cluster to start from, whatever the drill before left
     router_pid = cluster.status()["router_pid"]
     assert router_pid > 0  # never os.kill(0, ...): that is this whole process group
     body = {"model": MODEL, "max_tokens": 2000, "stream": True, "ignore_eos": True}
