@@ -26,7 +26,6 @@ BASE = {
     "router.kv_lease_s": 30.0,
     "kv_integrity": "mac",
     "router.conditional_disaggregation": False,
-    "router.max_body_bytes": 2**20,  # the errors test sends a body past it
     "health_check_period_s": 1.0,  # the shard drills wait for Serve to replace a failed replica
 }
 
