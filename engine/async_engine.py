@@ -250,6 +250,7 @@ class AsyncEngine:
         built.set_result(None)
         try:
             while not self._stopping.is_set():
+                self.engine.check_shards()  # an idle engine fails too: its health check tells Serve
                 busy = self.engine.has_unfinished_requests()
                 if self._run_commands(block=not busy):
                     self._publish()

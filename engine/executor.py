@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -32,6 +33,8 @@ from engine.model_runner import ModelRunner, check_model
 from engine.step_input import StepInput
 
 logger = logging.getLogger(__name__)
+# How often the watchdog asks whether every shard still runs (a process poll or a Ray wait of 0 s).
+_SHARD_WATCH_PERIOD_S = 0.5
 
 
 class WorkerHandle(ABC):
@@ -178,6 +181,8 @@ class Executor:
         self.workers: list[WorkerHandle] = []
         self.shard_pids: list[int] = []  # ranks 1.., for operators (whichever launcher started them)
         self._broken = False  # a step failed midway: shards may be stuck in a collective
+        self.failure: str | None = None  # set by the watchdog when a shard died
+        self._watch_stop = threading.Event()
         if self.world_size == 1:
             tp = TensorParallel.single(device)
         else:
@@ -218,6 +223,8 @@ class Executor:
                 self._kill_workers()
                 raise
         self.tp = tp
+        if self.workers:
+            threading.Thread(target=self._watch_shards, name="pdserve-shard-watch", daemon=True).start()
         try:
             self.driver = ModelRunner(config, model_dir, tp)
             self.has_connector = self.driver.connector is not None
@@ -269,14 +276,43 @@ class Executor:
             raise
 
     def _check_workers(self) -> None:
-        dead = [i + 1 for i, w in enumerate(self.workers) if not w.is_alive()]
+        self.check_shards()
+        dead = self._dead_ranks()
         if dead:
             raise RuntimeError(f"tensor-parallel shard(s) {dead} died; the model instance must be restarted")
+
+    def check_shards(self) -> None:
+        """Raise if the watchdog found a dead shard (cheap: no question to the shards)."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def _dead_ranks(self) -> list[int]:
+        return [rank for rank, worker in enumerate(self.workers, 1) if not worker.is_alive()]
+
+    def _watch_shards(self) -> None:
+        """A dead shard can leave the driver blocked in a collective for ``distributed_timeout_s``:
+        gloo fails an operation on a peer's closed socket, but a live shard whose own collective
+        failed (a Ray actor outlives its failed call) keeps its sockets open while the driver waits
+        on it. Killing every shard then closes each socket the driver may wait on, so the step fails
+        now and the instance reports the failure (NCCL waits regardless: the replica's health check
+        sees ``failure`` and the replica is replaced)."""
+        while not self._watch_stop.wait(_SHARD_WATCH_PERIOD_S):
+            try:
+                dead = self._dead_ranks()
+            except Exception:  # a launcher's liveness question failed: ask again next time
+                logger.exception("could not ask the tensor-parallel shards whether they run")
+                continue
+            if dead:
+                self.failure = f"tensor-parallel shard(s) {dead} died; the model instance must be restarted"
+                logger.error("%s: stopping every other shard so that no step waits on them", self.failure)
+                self._kill_workers()
+                return
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self._watch_stop.set()  # shards that exit now are shut down, not dead
         if getattr(self, "driver", None) is not None:
             self.driver.close()
         if self.world_size > 1:

@@ -364,6 +364,10 @@ class LLMEngine:
         """Whether add_request would find room in the bounded waiting queue."""
         return len(self.scheduler.waiting) < self.config.scheduler.max_num_waiting
 
+    def check_shards(self) -> None:
+        """Raise if a tensor-parallel shard of this instance died (found between steps too)."""
+        self.executor.check_shards()
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or KV hand-offs not yet terminal (keep stepping)."""
         return (

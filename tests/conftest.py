@@ -81,8 +81,6 @@ def build_tiny_llama(
     config = AutoConfig.for_model(
         model_type,
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -92,7 +90,7 @@ def build_tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
         **({"rope_scaling": rope_scaling} if rope_scaling else {}),
-        **config_overrides,
+        **{"hidden_size": 64, "intermediate_size": 128, **config_overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
