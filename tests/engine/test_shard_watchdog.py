@@ -17,7 +17,7 @@ import pytest
 from common.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from common.sampling_params import SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.executor import WorkerHandle, WorkerLauncher, run_worker
+from engine.executor import WorkerHandle, WorkerLauncher, _ProcessHandle, run_worker
 from engine.llm_engine import LLMEngine
 from tests.conftest import build_tiny_llama
 
@@ -36,18 +36,13 @@ def _actor_like_shard(rank, world_size, init_method, config, model_dir, finished
     time.sleep(3600)  # like a Ray actor after a failed call: alive, its process group still open
 
 
-class _ActorLikeHandle(WorkerHandle):
+class _ActorLikeHandle(_ProcessHandle):
     def __init__(self, process, finished) -> None:
-        self.process, self.finished = process, finished
+        super().__init__(process)
+        self.finished = finished
 
     def is_alive(self) -> bool:  # as RayShardHandle: whether its run call is still going
         return self.process.is_alive() and not self.finished.is_set()
-
-    def join(self, timeout_s: float) -> None:
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
 
 
 class _ActorLikeLauncher(WorkerLauncher):
