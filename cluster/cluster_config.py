@@ -158,6 +158,11 @@ class ClusterConfig:
     # catches tampering too). Off by default: hashing every layer on both sides runs at ~2 GB/s on a
     # CPU core, several times slower than the transfer itself (README, bench.kv_transfer --integrity).
     kv_integrity: str = "none"
+    # true: a prefill replica pushes each prompt chunk's completed KV blocks while its next chunk
+    # computes, so only the last chunk's are left to travel once the prompt is done; false: the whole
+    # prompt leaves during its last chunk; null: true on CUDA, false on CPU (README "KV pushed chunk
+    # by chunk": on CPU the last chunk's compute hides the transfer already).
+    kv_push_every_chunk: bool | None = None
     # Tokens per streamed chunk after the first (vLLM's --stream-interval): fewer chunks cost less
     # CPU on every hop, at the price of burstier streams (decode_pool/stream_interval.py).
     stream_interval: int = 1
@@ -278,7 +283,7 @@ class ClusterConfig:
                 "host": self.kv_host,
                 "advertise_host": self.kv_advertise_host,
             }
-            connector = KVConnectorConfig(KV_CONNECTOR, options)
+            connector = KVConnectorConfig(KV_CONNECTOR, options, push_every_chunk=self.kv_push_every_chunk)
         scheduler = spec.scheduler_config(EngineRole(pool))
         if pool == "decode" and self.router.conditional_disaggregation and spec.max_decode_stall_s is None:
             # The prompts it computes itself go in chunks beside its decode batch, each step's held to this.

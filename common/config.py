@@ -126,10 +126,18 @@ class KVConnectorConfig:
 
     factory: str | None = None  # "package.module:callable"; None: no KV enters or leaves the engine
     options: dict = field(default_factory=dict)  # msgpack-able keyword arguments for the factory
+    # Prefill role: push each prompt chunk's completed blocks while the next chunk computes, so only
+    # the last chunk's blocks are left to travel once the prompt is done. False: the whole prompt's
+    # KV leaves during its last chunk. None: every chunk on CUDA, the last chunk on CPU, where the
+    # last chunk's compute already hides the whole transfer and the pushes of earlier chunks cost
+    # the prompt's steps 2-9% (README "KV pushed chunk by chunk").
+    push_every_chunk: bool | None = None
 
     def __post_init__(self) -> None:
         if self.factory is not None and ":" not in self.factory:
             raise ConfigError(f"kv_connector factory={self.factory!r} must look like 'package.module:callable'")
+        if self.push_every_chunk is not None and type(self.push_every_chunk) is not bool:
+            raise ConfigError(f"push_every_chunk={self.push_every_chunk!r} must be true, false or null (auto)")
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ class ReplicaReport:
     num_handoff: int = 0  # prefill: requests whose KV is on the wire (tickets outstanding)
     num_kv_lease_expirations: int = 0
     num_prefills_expired: int = 0  # prefill: prompts dropped uncomputed, their KV lease run out
+    num_kv_pushes_cancelled: int = 0  # prefill: KV pushes cut off mid-prompt (request aborted or preempted)
     num_kv_transfer_failures: int = 0
 
     @property

@@ -461,6 +461,7 @@ def load_report(engine: LLMEngine) -> dict[str, Any]:
         "num_handoff": stats.num_handoff,
         "num_kv_lease_expirations": engine.num_kv_lease_expirations,
         "num_prefills_expired": engine.num_prefills_expired,
+        "num_kv_pushes_cancelled": engine.num_kv_pushes_cancelled,
         "num_kv_transfer_failures": engine.num_kv_transfer_failures,
         "num_prefill_tokens_queued": engine.scheduler.num_prefill_tokens_queued(),
         "prefill_tokens_per_s": engine.prefill_tokens_per_s,

@@ -10,7 +10,6 @@ InvalidRequestError from ``add_request`` before touching the KV cache.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from common.kv_events import KVCacheEvent, PrefixCacheStats
 from common.kv_layout import KVCacheLayout
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
+from engine.distributed.parallel import pick_device
 from engine.executor import Executor, WorkerLauncher
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector import model_fingerprint
@@ -78,11 +78,19 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_preemptions = 0
         self._outputs_outside_step: list[RequestOutput] = []
-        self.handoff = KVHandoff(config.parallel.tensor_parallel_size) if self.executor.has_connector else None
+        every_chunk = config.kv_connector.push_every_chunk
+        if every_chunk is None:
+            every_chunk = pick_device(config.model.device).type == "cuda"
+        self.handoff = (
+            KVHandoff(config.parallel.tensor_parallel_size, config.cache.block_size if every_chunk else None)
+            if self.executor.has_connector
+            else None
+        )
         self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
         self.transfers_sent: dict[str, SentKV] = {}  # prefill role: ended hand-offs, until their caller takes them
         self.num_kv_lease_expirations = 0
         self.num_prefills_expired = 0  # prefill role: prompts dropped uncomputed, their lease run out
+        self.num_kv_pushes_cancelled = 0  # prefill role: pushes cut off mid-prompt (aborted, preempted)
         self.prefill_tokens_per_s = 0.0  # measured, see _record_prefill_steps; 0 until a prefill ran
         self.decode_step_s = 0.0  # a step with no prompt tokens (moving average); 0 until one ran
         self.num_kv_transfer_failures = 0
@@ -207,6 +215,17 @@ class LLMEngine:
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
         if self.handoff is not None and request_id in self.handoff.tickets:
             self.handoff.drop(request_id)  # aborted before its prompt was done: nothing was sent
+        if self.handoff is not None and request_id in self.handoff.pushing:
+            # Part of its prompt's KV is on the wire: the push is cancelled now, and the blocks are
+            # held until every shard reports it ended (the sending threads may still read them).
+            self.handoff.cancel(request_id)
+            self.num_kv_pushes_cancelled += 1
+            request = self.scheduler.hold_for_handoff(request_id, status, error)
+            self.executor.connector_step(self.handoff.meta_for(None))
+            self._apply_handoff(self.executor.finish_step(None))
+            if request is not None and request_id in self.outputs.states:
+                self._outputs_outside_step.append(self.outputs.build(request_id))
+            return
         if self.handoff is not None and request_id in self.handoff.sending:
             return  # its KV is on the wire: the blocks are released when the transfer ends
         if self.handoff is not None and request_id in self.handoff.receiving:
@@ -230,10 +249,12 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         results: list[RequestOutput] = []
-        if self.handoff is not None and self.handoff.tickets:
+        if self.handoff is not None and (self.handoff.tickets or self.handoff.push_leases):
             self._drop_expired_prefills()
         scheduled = self.scheduler.schedule(self.prompt_token_cap())
         self.num_preemptions += len(scheduled.preempted_request_ids)
+        if self.handoff is not None and self.handoff.pushing:
+            self._end_preempted_pushes(scheduled.preempted_request_ids)
         meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
             if self.handoff is not None and (meta["sends"] or meta["forget"] or self.handoff.busy):
@@ -273,15 +294,31 @@ class LLMEngine:
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
 
+    def _end_preempted_pushes(self, preempted: list[str]) -> None:
+        """Prefill role: a request preempted mid-prompt whose KV push had started ends with an error
+        (the router retries it under a fresh ticket). Its blocks are already free: the push,
+        cancelled in this step's message, may still read them while they are reused, which only
+        corrupts KV that no receiver will ever count as done."""
+        assert self.handoff is not None
+        for request_id in preempted:
+            if request_id not in self.handoff.pushing:
+                continue
+            self.handoff.cancel(request_id)
+            self.num_kv_pushes_cancelled += 1
+            logger.warning("%s: preempted mid-prompt with its KV push started; it ends (retryable)", request_id)
+            error = "preempted while its KV was being pushed; retry"
+            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error)
+            if request is not None and request_id in self.outputs.states:
+                self._outputs_outside_step.append(self.outputs.build(request_id))
+
     def _drop_expired_prefills(self) -> None:
         """Prefill role: a prompt whose ticket's lease has run out would be computed for nobody (the
         decode replica freed its reservation), so it ends now with that error, before another chunk
-        of it is computed, and the router retries it under a fresh ticket or gives up. Only prompts
-        whose KV has not started to leave hold a ticket here."""
+        of it is computed, and the router retries it under a fresh ticket or gives up (a push begun
+        with its first chunks is cancelled)."""
         assert self.handoff is not None
         now = time.time()  # a lease is wall-clock time: the decode replica's host set it
-        expired = [rid for rid, ticket in self.handoff.tickets.items() if now >= ticket.get("lease_deadline", math.inf)]
-        for request_id in expired:
+        for request_id in self.handoff.expired(now):
             self.num_prefills_expired += 1
             logger.warning("%s: its KV lease ran out before its prompt was computed; dropped", request_id)
             self.abort_request(request_id, error="the KV lease expired before the prompt was computed")
@@ -337,6 +374,16 @@ class LLMEngine:
         result = self.handoff.merge(reports)
         for sent in result.sent:
             request_id = sent.request_id
+            if self.handoff.end_push(request_id):
+                # Ended mid-prompt (its lease ran out, a receiver refused it): so does the request.
+                # The shards are done reading its blocks, which finishing it frees.
+                self.num_kv_transfer_failures += 1
+                logger.warning("KV push of %s failed mid-prompt: %s", request_id, sent.failure)
+                error = f"KV transfer failed: {sent.failure}"
+                request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error)
+                if request is not None and request_id in self.outputs.states:
+                    self._outputs_outside_step.append(self.outputs.build(request_id))
+                continue
             if sent.failure is not None:
                 self.transfer_failures[request_id] = sent.failure
                 self.num_kv_transfer_failures += 1

@@ -224,6 +224,21 @@ class Scheduler:
         self._finish(request, status)
         return request
 
+    def hold_for_handoff(self, request_id: str, status: RequestStatus, error: str | None) -> Request | None:
+        """Prefill role: end a request mid-prompt whose KV push has started, its blocks held (as a
+        FINISHED_PREFILLED request's are) until ``release()``: the push may still read them."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return request
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.error = error
+        request.status = status
+        self.handoff[request_id] = request
+        return request
+
     def release(self, request_id: str) -> Request | None:
         """Prefill role: the KV has been handed off (or abandoned); free the held blocks."""
         request = self.handoff.pop(request_id, None)

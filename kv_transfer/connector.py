@@ -4,12 +4,17 @@ A prefill shard pushes each layer of the requests whose prompt completes this st
 the layer is computed; a decode shard serves a receiver and registers the tickets it expects.
 Reports (msgpack-able) tell the driver each open transfer's state on this shard:
 
-    {"sends":    {request_id: [state, reason, seconds | None, bytes]},   # seconds, bytes once terminal
+    {"sends":    {request_id: [state, reason, seconds | None, bytes, windows]},  # the last three once terminal
      "receives": {request_id: [state, reason, first_token_id]}}
 
-meta = {"sends":   [{"ticket": KVTicket dict, "block_ids": [...]}],   # prefill: push these
+meta = {"sends":   [{"ticket": KVTicket dict, "block_ids": [...], "last": bool}],  # prefill: push these
         "expects": [KVTicket dict],                                   # decode: accept these
-        "forget":  [request_id]}                                      # terminal: drop bookkeeping
+        "forget":  [request_id],                                      # terminal: drop bookkeeping
+        "cancel":  [request_id]}                                      # prefill: end a push unfinished
+
+A send is one window of a ticket's blocks, pushed layer by layer during this step: the first names
+the ticket, each next one {"request_id", "block_ids"} (the blocks that follow). The last window
+("last", the default) is followed by the "done" with the first token this step sampled.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class TransferConnector:
             # Bound on ``host``; named in tickets as ``advertise_host`` (default: ``host``).
             self.endpoint = advertised(self.transport.serve(self.receiver, host), advertise_host)
         self._step_sends: list[str] = []
+        self._step_last: list[str] = []  # of _step_sends, those whose last window this step pushes
         self._open_sends: dict[str, str | None] = {}  # request id -> refusal reason at start, if any
         self._open_receives: set[str] = set()
         self._refused_receives: dict[str, str] = {}  # request id -> why its ticket was not accepted
@@ -70,8 +76,18 @@ class TransferConnector:
                 self._refused_receives[request_id] = f"bad ticket: {exc}"
                 continue
             self._open_receives.add(request_id)
-        self._step_sends = []
+        for request_id in meta.get("cancel", ()):
+            self.sender.cancel(request_id, "the request ended before its prompt was computed")
+        self._step_sends, self._step_last = [], []
         for item in meta.get("sends", ()):
+            if "ticket" not in item:  # the next window of a transfer this connector started
+                request_id = str(item.get("request_id", "?"))
+                if self._open_sends.get(request_id, "not started") is None:
+                    self.sender.next_window(request_id, item["block_ids"])
+                    self._step_sends.append(request_id)
+                    if item.get("last", True):
+                        self._step_last.append(request_id)
+                continue
             request_id = str(item.get("ticket", {}).get("request_id", "?"))
             try:
                 ticket = KVTicket.from_dict(item["ticket"])
@@ -81,15 +97,17 @@ class TransferConnector:
                 continue
             self._open_sends[request_id] = None
             self._step_sends.append(request_id)
+            if item.get("last", True):
+                self._step_last.append(request_id)
 
     def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         for request_id in self._step_sends:
             self.sender.send_layer(request_id, layer, kv_layer)
 
     def end_step(self, sampled: dict[str, int] | None) -> dict[str, Any]:
-        for request_id in self._step_sends:
+        for request_id in self._step_last:
             self.sender.finish(request_id, (sampled or {}).get(request_id))
-        self._step_sends = []
+        self._step_sends, self._step_last = [], []
         sends = {}
         for request_id, refused in self._open_sends.items():
             if refused is not None:
@@ -98,7 +116,13 @@ class TransferConnector:
                 status = self.sender.poll(request_id)
                 stats = self.sender.stats(request_id) if status.state.is_terminal else None
                 seconds = stats.total_time_s if stats is not None else None
-                sends[request_id] = [int(status.state), status.reason, seconds, stats.num_bytes if stats else 0]
+                sends[request_id] = [
+                    int(status.state),
+                    status.reason,
+                    seconds,
+                    stats.num_bytes if stats else 0,
+                    stats.num_windows if stats else 1,
+                ]
         receives = {rid: [int(TransferState.FAILED), reason, None] for rid, reason in self._refused_receives.items()}
         if self.receiver is not None:
             for request_id in self._open_receives:

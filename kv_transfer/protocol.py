@@ -2,9 +2,15 @@
 
     chunk   = header (msgpack map, includes "mac") + payload (a layer's KV for some heads, raw)
     header  = {kind: "layer"|"done", request_id, layer, sender_rank, sender_tp, receiver_rank,
-               dst_head_offset, num_heads, num_blocks, nbytes, checksum|None, first_token_id|None,
-               src_region, src_offset, ... (a pulled chunk: where the receiver reads the blocks)}
+               dst_head_offset, num_heads, block_offset, num_blocks, nbytes, checksum|None,
+               first_token_id|None, windows|None (a "done"), src_region, src_offset, ...
+               (a pulled chunk: where the receiver reads the blocks)}
     mac     = HMAC-SHA256(ticket secret, msgpack(header without mac))
+
+A transfer's blocks may leave in windows: consecutive ranges of the ticket's blocks, each sent
+layer by layer (a prefill pushes each chunk's completed blocks while the next chunk computes).
+A layer chunk names its window (``block_offset``, ``num_blocks``); the "done" lists every window
+as [block_offset, num_blocks], and they must tile the ticket's blocks (None: one window, all).
 
 The payload's check sits inside the authenticated header, so a forged header is refused and a
 payload that does not match its check is refused too. The check is the sender's choice (the
@@ -53,11 +59,13 @@ class ChunkHeader:
     layer: int = -1
     dst_head_offset: int = 0
     num_heads: int = 0
-    num_blocks: int = 0
+    block_offset: int = 0  # the window's first block, as an index into the ticket's blocks
+    num_blocks: int = 0  # the window's blocks
     nbytes: int = 0
     checksum: int | bytes | None = None  # CRC-32 (int) or keyed MAC (bytes) of the payload
     first_token_id: int | None = None
     num_layers_sent: int = 0
+    windows: list[list[int]] | None = None  # a "done": [block_offset, num_blocks] of every window sent
     # A pulled chunk carries no payload: the receiver reads the sender's blocks in place, from a
     # memory region the transport shared with it (the same-host backend). The layer tensor of
     # [2, src_num_blocks, block_size, src_heads, head_dim] starts at src_offset in region src_region.

@@ -1,8 +1,12 @@
 """One receiving shard: verifies chunks and writes them straight into reserved blocks.
 
 Per request:  PENDING (ticket registered) ─▶ TRANSFERRING (first layer landed) ─▶ DONE (every
-expected layer from every expected sender, and their "done") | FAILED (checksum, lease expired,
-a sender finished short). A chunk with a bad signature is refused and counted, but does not fail
+expected layer of every window from every expected sender, and their "done") | FAILED (checksum,
+lease expired, a sender finished short).
+
+A chunk carries one window of the ticket's blocks (``block_offset``, ``num_blocks``: a prefill
+pushes each prompt chunk's blocks as it computes them); a sender's "done" names its windows, which
+must tile the ticket's blocks. A chunk with a bad signature is refused and counted, but does not fail
 the transfer: an unauthenticated party must not be able to cancel someone else's request.
 
 Chunks land one of three ways:
@@ -61,25 +65,33 @@ class NotInPlace(TransferRefused):
     """This receiver cannot take the chunk in place; the sender may send it to be copied instead."""
 
 
+# A chunk's place in a transfer: (sender, layer, dst_head_offset, the window's block_offset).
+_ChunkKey = tuple[int, int, int, int]
+
+
 @dataclass
 class _Incoming:
     ticket: KVTicket
-    scatter: BlockCopyPlan  # a payload's blocks into the reserved ones
     state: TransferState = TransferState.PENDING
     reason: str | None = None
     sender_tp: int | None = None
     expected: set[tuple[int, int, int]] = field(default_factory=set)  # (sender, layer, dst_head_offset)
     segment_heads: dict[tuple[int, int], int] = field(default_factory=dict)  # (sender, dst offset) -> heads
-    landed: set[tuple[int, int, int]] = field(default_factory=set)
-    layers_landed: Counter = field(default_factory=Counter)  # layer -> segments landed
+    # (block_offset, num_blocks) -> the window's reserved blocks and a payload's plan into them
+    windows: dict[tuple[int, int], tuple[list[int], BlockCopyPlan]] = field(default_factory=dict)
+    landed: set[_ChunkKey] = field(default_factory=set)
+    layers_landed: Counter = field(default_factory=Counter)  # layer -> (segment, window) pairs landed
+    offsets_landed: set[int] = field(default_factory=set)  # the windows that chunks landed in
     done_from: set[int] = field(default_factory=set)
+    done_windows: dict[int, list[int]] = field(default_factory=dict)  # sender -> its windows' block offsets
     first_token_id: int | None = None
     stats: TransferStats | None = None
     # (checked header fields, sender's block ids, their copy plan): what pulled layers share
     pull_plan: tuple[tuple[int, ...], list[int], BlockCopyPlan] | None = None
-    writing: set[tuple[int, int, int]] = field(default_factory=set)  # chunks a transport is receiving in place
+    writing: set[_ChunkKey] = field(default_factory=set)  # chunks a transport is receiving in place
     in_flight: list[DirectWrite] = field(default_factory=list)  # the writes under way (their abort hooks)
-    direct_plan: tuple[list[int], list[tuple[int, int]]] | None = None  # run lengths; (first block, length) each
+    # (block offset, run lengths); (first block, length) of each run
+    direct_plan: tuple[tuple[int, list[int]], list[tuple[int, int]]] | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -90,7 +102,7 @@ class DirectWrite:
 
     request_id: str
     layers: list[ChunkHeader]  # one header per layer the chunk carries
-    keys: list[tuple[int, int, int]]
+    keys: list[_ChunkKey]
     spans: list[tuple[int, int, int]]  # (layer, byte offset, length) of each target in its layer's bytes
     layer_bytes: list[torch.Tensor | None] = field(repr=False)  # the receiver's layers as flat bytes
     layer_views: list[memoryview | None] = field(repr=False)  # the same, as memoryviews (a CPU cache)
@@ -157,9 +169,7 @@ class KVReceiver:
         with self._lock:
             self._released.pop(ticket.request_id, None)
             self._incoming[ticket.request_id] = _Incoming(
-                ticket=ticket,
-                scatter=scatter_plan(list(ticket.block_ids[: ticket.num_blocks])),
-                stats=TransferStats(ticket.request_id, self.backend),
+                ticket=ticket, stats=TransferStats(ticket.request_id, self.backend)
             )
 
     def poll(self, request_id: str) -> ReceiveStatus:
@@ -234,7 +244,7 @@ class KVReceiver:
         allocates or reads that payload. ``apply`` checks everything again."""
         with self._lock:
             incoming, _ = self._authenticate(raw_header)
-            most = self.layout.num_layers * self._full_layer_bytes(incoming.ticket)
+            most = self.layout.num_layers * self._layer_bytes_of(incoming.ticket.num_blocks)
             if nbytes > most:
                 self._refuse("shape", f"a payload of {nbytes} bytes; this ticket's blocks hold {most}")
 
@@ -260,19 +270,15 @@ class KVReceiver:
             if len(set(keys)) != len(keys):
                 self._refuse("duplicate", f"a chunk names one layer twice: {keys}")
             layout = self.layout
-            layer_bytes = self._full_layer_bytes(incoming.ticket)
+            layer_bytes = self._layer_bytes_of(header.num_blocks)  # the window's (checked with the keys)
             if header.num_heads != layout.num_kv_heads or header.dst_head_offset != 0:
                 self._refuse("shape", f"layer {header.layer}: a chunk received in place carries every head")
-            if (
-                header.num_blocks != incoming.ticket.num_blocks
-                or layer_bytes != header.nbytes
-                or nbytes != layer_bytes * len(layers)
-            ):
+            if layer_bytes != header.nbytes or nbytes != layer_bytes * len(layers):
                 self._refuse("shape", f"layer {header.layer}: {nbytes} bytes, expected {layer_bytes * len(layers)}")
-            runs = self._direct_runs(incoming, header.run_lengths)
+            runs = self._direct_runs(incoming, header)
             if num_pieces is not None and len(layers) * 2 * len(runs) != num_pieces:
                 self._refuse("shape", f"{num_pieces} pieces, expected {len(layers) * 2 * len(runs)}")
-            block_bytes = layer_bytes // (2 * incoming.ticket.num_blocks)
+            block_bytes = layer_bytes // (2 * header.num_blocks)
             flats = [self._layer_bytes[layer.layer] for layer in layers]  # each [K blocks | V blocks]
             for layer, flat in zip(layers, flats, strict=True):
                 if flat is None:
@@ -330,11 +336,23 @@ class KVReceiver:
             self._land_before(owner, write.layers, write.keys, bad)
 
     # --- helpers (hold the lock) -----------------------------------------------------------
-    def _full_layer_bytes(self, ticket: KVTicket) -> int:
-        """K and V of one layer of every head of this shard, for the ticket's blocks."""
+    def _layer_bytes_of(self, num_blocks: int) -> int:
+        """K and V of one layer of every head of this shard, for ``num_blocks`` blocks."""
         layout = self.layout
         per_block = layout.block_size * layout.num_kv_heads * layout.head_dim * _DTYPES[layout.dtype].itemsize
-        return 2 * ticket.num_blocks * per_block
+        return 2 * num_blocks * per_block
+
+    def _window(self, incoming: _Incoming, header: ChunkHeader) -> tuple[list[int], BlockCopyPlan]:
+        """The reserved blocks of the chunk's window, and a payload's plan into them (checked)."""
+        key = (header.block_offset, header.num_blocks)
+        window = incoming.windows.get(key)
+        if window is None:
+            offset, count, total = header.block_offset, header.num_blocks, incoming.ticket.num_blocks
+            if not (type(offset) is int and type(count) is int and offset >= 0 and 0 < count <= total - offset):
+                self._refuse("shape", f"blocks [{offset}, +{count}) are not among the ticket's {total}")
+            reserved = list(incoming.ticket.block_ids[offset : offset + count])
+            window = incoming.windows[key] = (reserved, scatter_plan(reserved))
+        return window
 
     def _authenticate(self, raw_header: bytes) -> tuple[_Incoming, ChunkHeader]:
         """The chunk's transfer and verified header, for a live ticket addressed to this shard."""
@@ -365,12 +383,13 @@ class KVReceiver:
             self._refuse("wrong_shard", f"chunk for shard {header.receiver_rank} reached {self.layout.tp_rank}")
         return incoming, header
 
-    def _direct_runs(self, incoming: _Incoming, run_lengths: list[int]) -> list[tuple[int, int]]:
+    def _direct_runs(self, incoming: _Incoming, header: ChunkHeader) -> list[tuple[int, int]]:
         """(first reserved block, length) of each run a payload received in place comes in: the
-        reserved blocks in order, cut where the sender said, each run consecutive here too."""
+        window's reserved blocks in order, cut where the sender said, each run consecutive here too."""
+        run_lengths = header.run_lengths
         cached = incoming.direct_plan
-        if cached is None or cached[0] != run_lengths:
-            reserved = incoming.ticket.block_ids[: incoming.ticket.num_blocks]
+        if cached is None or cached[0] != (header.block_offset, run_lengths):
+            reserved = self._window(incoming, header)[0]
             if (
                 not isinstance(run_lengths, list)
                 or not 0 < len(run_lengths) <= MAX_DIRECT_RUNS
@@ -385,7 +404,7 @@ class KVReceiver:
                     self._refuse("shape", f"run of {n} blocks from reserved block {first} is not consecutive here")
                 runs.append((first, n))
                 start += n
-            cached = incoming.direct_plan = (list(run_lengths), runs)
+            cached = incoming.direct_plan = ((header.block_offset, list(run_lengths)), runs)
         return cached[1]
 
     def _layers_of(self, header: ChunkHeader, payload_batch: bool = False) -> list[ChunkHeader]:
@@ -421,11 +440,13 @@ class KVReceiver:
             entries.append(ChunkHeader(**shared))
         return entries
 
-    def _check_chunk(self, incoming: _Incoming, header: ChunkHeader) -> tuple[int, int, int]:
+    def _check_chunk(self, incoming: _Incoming, header: ChunkHeader) -> _ChunkKey:
         """The chunk's key in the transfer plan, once it is known to be expected, new and well shaped."""
-        key = (header.sender_rank, header.layer, header.dst_head_offset)  # the plan covers this shard's layers only
-        if key not in incoming.expected:
+        # The plan covers this shard's layers only.
+        key = (header.sender_rank, header.layer, header.dst_head_offset, header.block_offset)
+        if key[:3] not in incoming.expected:
             self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
+        self._window(incoming, header)
         if key in incoming.landed:
             self._refuse("duplicate", f"chunk {key} already landed")
         if key in incoming.writing:
@@ -460,7 +481,7 @@ class KVReceiver:
             target = self._target_view(incoming, header, payload)
             if not checked and not payload_matches(header.checksum, incoming.ticket.secret, payload):
                 self._checksum_failed(incoming, header)
-            copy_blocks(dst, target, incoming.scatter)
+            copy_blocks(dst, target, self._window(incoming, header)[1])
         self._landed(incoming, [header], [key], header.nbytes if header.pulled else len(payload), header.pulled)
 
     def _apply_payload_batch(self, incoming: _Incoming, layers: list[ChunkHeader], payload) -> None:
@@ -488,7 +509,7 @@ class KVReceiver:
         source = torch.frombuffer(view, dtype=torch.uint8).view(first.dtype).view(len(layers), *first.shape)
         heads = slice(layers[0].dst_head_offset, layers[0].dst_head_offset + layers[0].num_heads)
         dst = self._stacked[layers[0].layer : layers[-1].layer + 1, :, :, :, heads]
-        copy_blocks(dst, source.to(dst.device), incoming.scatter, dim=2)
+        copy_blocks(dst, source.to(dst.device), self._window(incoming, layers[0])[1], dim=2)
         self._landed(incoming, layers, keys, per_layer * len(layers), in_place=False)
 
     def _apply_pulled_batch(
@@ -537,9 +558,7 @@ class KVReceiver:
             bad = next((i for i, ok in enumerate(intact) if not ok), end - start)
             self._land_before(incoming, layers[start:end], keys[start:end], bad)
 
-    def _land_before(
-        self, incoming: _Incoming, headers: list[ChunkHeader], keys: list[tuple[int, int, int]], bad: int
-    ) -> None:
+    def _land_before(self, incoming: _Incoming, headers: list[ChunkHeader], keys: list[_ChunkKey], bad: int) -> None:
         """Chunks written in place whose checksums were checked: those before index ``bad`` land;
         the one at ``bad`` (if any) failed its checksum and fails the request."""
         landed = headers[:bad]
@@ -555,7 +574,8 @@ class KVReceiver:
     def _pulled_intact(incoming: _Incoming, header: ChunkHeader, dst: torch.Tensor) -> bool:
         if header.checksum is None:
             return True
-        return payload_matches(header.checksum, incoming.ticket.secret, _payload_bytes(dst, incoming.scatter))
+        scatter = incoming.windows[(header.block_offset, header.num_blocks)][1]  # checked with its key
+        return payload_matches(header.checksum, incoming.ticket.secret, _payload_bytes(dst, scatter))
 
     def _checksum_failed(self, incoming: _Incoming, header: ChunkHeader) -> NoReturn:
         self._fail(incoming, f"checksum mismatch in layer {header.layer}")
@@ -565,7 +585,7 @@ class KVReceiver:
         self,
         incoming: _Incoming,
         headers: list[ChunkHeader],
-        keys: list[tuple[int, int, int]],
+        keys: list[_ChunkKey],
         nbytes: int,
         in_place: bool,
     ) -> None:
@@ -584,6 +604,7 @@ class KVReceiver:
         incoming.landed.update(keys)
         for header in headers:
             incoming.layers_landed[header.layer] += 1
+            incoming.offsets_landed.add(header.block_offset)
         if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
             stats.first_layer_time = now
         if incoming.state is TransferState.PENDING:
@@ -610,9 +631,9 @@ class KVReceiver:
     def _target_view(self, incoming: _Incoming, header: ChunkHeader, payload) -> torch.Tensor:
         layout = self.layout
         dtype = _DTYPES[layout.dtype]
-        shape = (2, incoming.ticket.num_blocks, layout.block_size, header.num_heads, layout.head_dim)
+        shape = (2, header.num_blocks, layout.block_size, header.num_heads, layout.head_dim)  # the window's
         expected_bytes = torch.Size(shape).numel() * dtype.itemsize
-        if header.num_blocks != incoming.ticket.num_blocks or len(payload) != expected_bytes:
+        if len(payload) != expected_bytes:
             self._refuse("shape", f"layer {header.layer}: {len(payload)} bytes, expected {expected_bytes}")
         if header.dst_head_offset + header.num_heads > layout.num_kv_heads:
             self._refuse("shape", f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard")
@@ -639,13 +660,21 @@ class KVReceiver:
         shape = (2, header.src_num_blocks, layout.block_size, header.src_heads, layout.head_dim)
         layer_bytes = torch.Size(shape).numel() * itemsize
         # Every layer of a transfer names the same blocks and heads: check those once per request.
-        key = (header.src_num_blocks, header.src_heads, header.src_head_offset, header.num_heads, header.nbytes)
+        key = (
+            header.src_num_blocks,
+            header.src_heads,
+            header.src_head_offset,
+            header.num_heads,
+            header.nbytes,
+            header.block_offset,
+            header.num_blocks,
+        )
         cached = incoming.pull_plan
         if cached is None or cached[0] != key or cached[1] != src_ids:
-            expected_bytes = 2 * incoming.ticket.num_blocks * layout.block_size * header.num_heads * layout.head_dim
+            reserved = self._window(incoming, header)[0]
+            expected_bytes = 2 * len(reserved) * layout.block_size * header.num_heads * layout.head_dim
             problems = [
-                (header.num_blocks != incoming.ticket.num_blocks or len(src_ids) != incoming.ticket.num_blocks)
-                and f"{len(src_ids)} source blocks for {incoming.ticket.num_blocks} reserved",
+                len(src_ids) != len(reserved) and f"{len(src_ids)} source blocks for {len(reserved)} reserved",
                 header.nbytes != expected_bytes * itemsize
                 and f"{header.nbytes} bytes, expected {expected_bytes * itemsize}",
                 header.dst_head_offset + header.num_heads > layout.num_kv_heads
@@ -659,7 +688,7 @@ class KVReceiver:
             problem = next((p for p in problems if p), None)
             if problem:
                 self._refuse("shape", f"layer {header.layer}: {problem}")
-            plan = plan_block_copy(src_ids, list(incoming.ticket.block_ids[: len(src_ids)]))
+            plan = plan_block_copy(src_ids, reserved)
             cached = incoming.pull_plan = (key, src_ids, plan)
         span = layer_bytes * (num_layers or 1)
         if header.src_offset < 0 or header.src_offset % itemsize or header.src_offset + span > len(region):
@@ -669,21 +698,41 @@ class KVReceiver:
         return source.narrow(-2, header.src_head_offset, header.num_heads), cached[2]
 
     def _on_done(self, incoming: _Incoming, header: ChunkHeader) -> None:
-        incoming.done_from.add(header.sender_rank)
+        sender = header.sender_rank
+        windows = header.windows if header.windows is not None else [[0, incoming.ticket.num_blocks]]
+        offsets = _tiling_offsets(windows, incoming.ticket.num_blocks)
+        if offsets is None:
+            self._fail(incoming, f"sender {sender} finished with windows {windows!r} that do not tile the ticket")
+            return
+        incoming.done_from.add(sender)
+        incoming.done_windows[sender] = offsets
         if header.first_token_id is not None:
             incoming.first_token_id = header.first_token_id
-        missing = {key for key in incoming.expected if key[0] == header.sender_rank} - incoming.landed
-        if missing:
-            self._fail(incoming, f"sender {header.sender_rank} finished with {len(missing)} chunks missing")
+        announced = self._keys_of(incoming, sender)
+        landed = {key for key in incoming.landed if key[0] == sender}
+        if landed != announced:
+            missing, stray = len(announced - landed), len(landed - announced)
+            self._fail(incoming, f"sender {sender} finished with {missing} chunks missing, {stray} outside its windows")
             return
         self._maybe_done(incoming)
+
+    @staticmethod
+    def _keys_of(incoming: _Incoming, sender: int) -> set[_ChunkKey]:
+        """Every chunk a finished sender's windows owe this shard."""
+        offsets = incoming.done_windows[sender]
+        return {(*key, offset) for key in incoming.expected if key[0] == sender for offset in offsets}
 
     def _maybe_done(self, incoming: _Incoming) -> None:
         if not incoming.done_from:
             return  # no sender has finished yet
         assert incoming.sender_tp is not None
         needed = senders_for(self.layout.tp_rank, incoming.sender_tp, self.layout.tp_size, self.layout.total_kv_heads)
-        if incoming.landed == incoming.expected and needed <= incoming.done_from:
+        if not needed <= incoming.done_from:
+            return
+        owed: set[_ChunkKey] = set()
+        for sender in needed:
+            owed |= self._keys_of(incoming, sender)
+        if incoming.landed == owed:
             incoming.state = TransferState.DONE
             stats = incoming.stats
             assert stats is not None
@@ -693,7 +742,7 @@ class KVReceiver:
     def _layers_complete(self, incoming: _Incoming) -> int:
         if incoming.sender_tp is None:
             return 0
-        per_layer = len(incoming.expected) // self.layout.num_layers
+        per_layer = len(incoming.expected) // self.layout.num_layers * max(1, len(incoming.offsets_landed))
         count = 0
         for layer in range(self.layout.num_layers):  # layers land in order; count the complete prefix
             if incoming.layers_landed[layer] < per_layer:
@@ -720,3 +769,20 @@ def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:
 
 
 __all__ = ["KVReceiver", "ReceiveStatus", "shard_heads"]
+
+
+def _tiling_offsets(windows, num_blocks: int) -> list[int] | None:
+    """The block offsets of ``windows`` ([block_offset, num_blocks] each, from a "done"), if they
+    cover a ticket of ``num_blocks`` blocks in order without a gap or an overlap; else None."""
+    if not isinstance(windows, list) or not 0 < len(windows) <= max(1, num_blocks):
+        return None
+    offsets, end = [], 0
+    for window in windows:
+        if not (type(window) is list and len(window) == 2 and all(type(v) is int for v in window)):
+            return None
+        offset, count = window
+        if offset != end or count <= 0:
+            return None
+        offsets.append(offset)
+        end += count
+    return offsets if end == num_blocks else None

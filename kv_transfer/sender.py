@@ -18,6 +18,12 @@ for the verdict of the one before (over tcp, the one before of the same request)
 read as they come, and the "done" waits for every one of them, so a refusal still fails the request
 before it could count as DONE.
 
+A transfer's blocks may leave in windows (``start`` names the first, ``next_window`` each next
+one, in the ticket's order): a prefill pushes each chunk's completed blocks while the next chunk
+computes, not the whole prompt during its last chunk. The "done" names every window; the windows
+must cover the ticket's blocks by then. ``cancel`` ends a transfer that will not be finished (its
+request aborted or preempted mid-prompt) once the items queued before it have left.
+
 Per request:  PENDING ─▶ TRANSFERRING ─▶ DONE (every receiver acknowledged the "done") | FAILED.
 The source blocks stay the caller's to hold until ``poll`` says the transfer is terminal.
 """
@@ -62,9 +68,13 @@ _NOTHING = object()
 @dataclass
 class _Outgoing:
     ticket: KVTicket
-    src_block_ids: list[int]
-    gather: BlockCopyPlan
-    direct: BlockCopyPlan  # source blocks into the reserved ones: its runs split a payload sent in place
+    # The window being sent: its source blocks, their gather plan, and their plan into the reserved
+    # ones (whose runs split a payload sent in place).
+    src_block_ids: list[int] = field(default_factory=list)
+    gather: BlockCopyPlan = field(default_factory=lambda: gather_plan([]))
+    direct: BlockCopyPlan = field(default_factory=lambda: plan_block_copy([], []))
+    block_offset: int = 0  # the window's first block among the ticket's
+    windows: list[list[int]] = field(default_factory=list)  # [block_offset, num_blocks] of each window
     state: TransferState = TransferState.PENDING
     reason: str | None = None
     stats: TransferStats | None = None
@@ -118,21 +128,30 @@ class KVSender:
 
     # --- the compute side (never blocks on the network) ---------------------------------------
     def start(self, ticket: KVTicket, src_block_ids: list[int]) -> None:
-        """Begin a transfer; raises TicketError at once if the layouts cannot match."""
+        """Begin a transfer with its first window: the source blocks of the ticket's first blocks
+        (all of them, or fewer when ``next_window`` adds the rest). Raises TicketError at once if the
+        layouts cannot match."""
         ticket.check_sender(self.layout, self.model_id)
-        block_ids = [int(b) for b in src_block_ids[: ticket.num_blocks]]
         segments = segments_from(
             self.layout.tp_rank, self.layout.tp_size, ticket.layout.tp_size, self.layout.total_kv_heads
         )
+        out = _Outgoing(
+            ticket=ticket,
+            stats=TransferStats(ticket.request_id, self.transport.name),
+            receivers={seg.receiver_rank for seg in segments},
+        )
+        _open_window(out, src_block_ids)
         with self._lock:
-            self._outgoing[ticket.request_id] = _Outgoing(
-                ticket=ticket,
-                src_block_ids=block_ids,
-                gather=gather_plan(block_ids),
-                direct=plan_block_copy(block_ids, list(ticket.block_ids[: len(block_ids)])),
-                stats=TransferStats(ticket.request_id, self.transport.name),
-                receivers={seg.receiver_rank for seg in segments},
-            )
+            self._outgoing[ticket.request_id] = out
+
+    def next_window(self, request_id: str, src_block_ids: list[int]) -> None:
+        """Queue the next window: source blocks of the ticket's blocks that follow the last window
+        (layers queued after this go out for these blocks)."""
+        self._enqueue(request_id, ("window", request_id, [int(b) for b in src_block_ids], None))
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Fail the transfer once the items queued before this have left: it will not be finished."""
+        self._enqueue(request_id, ("cancel", request_id, reason, None))
 
     def send_layer(self, request_id: str, layer: int, kv_layer: torch.Tensor) -> None:
         """Queue layer ``layer`` (this shard's [2, blocks, block_size, heads, head_dim] tensor)."""
@@ -218,6 +237,13 @@ class KVSender:
             try:
                 if kind == "layer":
                     self._send_layers(out, layers)
+                elif kind == "window":
+                    with self._lock:
+                        if not _open_window(out, arg):
+                            self._fail(out, f"window {arg[:4]}... names no block left of the ticket's")
+                elif kind == "cancel":
+                    with self._lock:
+                        self._fail(out, arg)
                 else:
                     self._send_done(out, arg)
             except Exception as exc:  # any transport failure ends this request, never the thread
@@ -298,7 +324,7 @@ class KVSender:
             if blocks is None:
                 blocks = self._gather_blocks(kv_layer, out.gather)
             payload = _payload(self._select_heads(blocks, seg.src_head_offset, seg.num_heads))
-            header = self._layer_header(ticket, layer, seg, len(payload), payload)
+            header = self._layer_header(out, layer, seg, len(payload), payload)
             channel.send(encode_header(header, ticket.secret), payload, self._time_left(ticket), ticket.request_id)
             self._sent_on(channel)
             out.stats.num_bytes += len(payload)
@@ -336,7 +362,7 @@ class KVSender:
             for i, (layer, _) in enumerate(group)
         ]
         header = replace(
-            self._layer_header(ticket, group[0][0], seg, layer_bytes, None), checksum=entries[0][3], batch=entries
+            self._layer_header(out, group[0][0], seg, layer_bytes, None), checksum=entries[0][3], batch=entries
         )
         encoded = encode_header(header, ticket.secret)
         if staging is not None:
@@ -363,7 +389,7 @@ class KVSender:
             entries.append((layer, region, offset, crc))
         first_layer, region, offset, crc = entries[0]
         header = replace(
-            self._layer_header(ticket, first_layer, seg, nbytes, None),
+            self._layer_header(out, first_layer, seg, nbytes, None),
             checksum=crc,
             src_region=region,
             src_offset=offset,
@@ -427,7 +453,7 @@ class KVSender:
                 crc = self._spans_check(ticket, kv, spans) if self.integrity != "none" else None
                 entries.append([layer, -1, 0, crc])
             header = replace(
-                self._layer_header(ticket, group[0][0], seg, layer_bytes, None),
+                self._layer_header(out, group[0][0], seg, layer_bytes, None),
                 checksum=entries[0][3],
                 run_lengths=[length for _, _, length in runs],
                 batch=entries if len(entries) > 1 else None,
@@ -456,7 +482,7 @@ class KVSender:
         if staging is None:
             return False
         copy_blocks(staging.view(kv_layer.dtype).view(shape), kv_layer, out.gather)
-        header = self._layer_header(ticket, layer, seg, nbytes, memoryview(staging.numpy()))
+        header = self._layer_header(out, layer, seg, nbytes, memoryview(staging.numpy()))
         channel.send_staged(encode_header(header, ticket.secret), nbytes, self._time_left(ticket), ticket.request_id)
         self._sent_on(channel)
         assert out.stats is not None
@@ -511,7 +537,8 @@ class KVSender:
             buf = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes].view(dtype).view(shape)
 
-    def _layer_header(self, ticket: KVTicket, layer: int, seg, nbytes: int, payload: memoryview | None) -> ChunkHeader:
+    def _layer_header(self, out: _Outgoing, layer: int, seg, nbytes: int, payload: memoryview | None) -> ChunkHeader:
+        ticket = out.ticket
         return ChunkHeader(
             kind="layer",
             request_id=ticket.request_id,
@@ -521,13 +548,17 @@ class KVSender:
             layer=layer,
             dst_head_offset=seg.dst_head_offset,
             num_heads=seg.num_heads,
-            num_blocks=ticket.num_blocks,
+            block_offset=out.block_offset,
+            num_blocks=len(out.src_block_ids),
             nbytes=nbytes,
             checksum=self._check(ticket, payload) if payload is not None else None,
         )
 
     def _send_done(self, out: _Outgoing, first_token_id: int | None) -> None:
         ticket = out.ticket
+        sent = sum(n for _, n in out.windows)
+        if sent != ticket.num_blocks:
+            raise ValueError(f"finished with {sent} of the ticket's {ticket.num_blocks} blocks sent")
         for receiver in sorted(out.receivers):
             header = ChunkHeader(
                 kind="done",
@@ -537,6 +568,7 @@ class KVSender:
                 receiver_rank=receiver,
                 first_token_id=first_token_id,
                 num_layers_sent=out.layers_sent,
+                windows=out.windows,
             )
             self._channel(ticket, receiver).send(encode_header(header, ticket.secret), b"", self._time_left(ticket))
         if self._posting:
@@ -546,7 +578,8 @@ class KVSender:
                 out.state = TransferState.DONE
                 assert out.stats is not None
                 out.stats.end_time = time.monotonic()
-                out.stats.num_layers = out.layers_sent
+                out.stats.num_layers = out.layers_sent // max(1, len(out.windows))
+                out.stats.num_windows = len(out.windows)
 
     def _channel(self, ticket: KVTicket, receiver_rank: int) -> KVChannel:
         endpoint = ticket.receiver_endpoints[receiver_rank]
@@ -568,3 +601,19 @@ class KVSender:
             out.reason = reason
             if out.stats is not None:
                 out.stats.end_time = time.monotonic()
+
+
+def _open_window(out: _Outgoing, src_block_ids: list[int]) -> bool:
+    """Make ``src_block_ids`` (cut to the ticket's blocks left) the window being sent; False if
+    none is left."""
+    ticket = out.ticket
+    offset = sum(n for _, n in out.windows)
+    block_ids = [int(b) for b in src_block_ids[: ticket.num_blocks - offset]]
+    if not block_ids:
+        return False
+    out.src_block_ids = block_ids
+    out.block_offset = offset
+    out.gather = gather_plan(block_ids)
+    out.direct = plan_block_copy(block_ids, list(ticket.block_ids[offset : offset + len(block_ids)]))
+    out.windows.append([offset, len(block_ids)])
+    return True

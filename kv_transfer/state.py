@@ -26,6 +26,7 @@ class TransferStats:
     num_bytes: int = 0
     in_place_bytes: int = 0  # of num_bytes, those moved cache to cache with no buffer between (in place, pulled)
     num_layers: int = 0
+    num_windows: int = 1  # the block windows it left in (a prefill pushes one per prompt chunk)
     start_time: float | None = None  # first chunk sent / received (time.monotonic)
     first_layer_time: float | None = None
     end_time: float | None = None

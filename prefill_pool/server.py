@@ -109,8 +109,8 @@ def record_prefill_spans(
     request: ServeRequest, result: PrefillResult, ended: HandoffEnded | None, started: float, replica_id: str
 ) -> None:
     """The prefill's spans under the router's attempt span: its queue, each prompt chunk's step, and
-    the KV hand-off (from the step that computed the prompt's end, when the layers start leaving,
-    to every receiver's acknowledgement)."""
+    the KV hand-off (from the step of the first prompt chunk whose blocks it pushed, when the layers
+    start leaving, to every receiver's acknowledgement)."""
     parent = tracing.extract(request.trace_context)
     output = ended.output if ended is not None else None
     attributes = {
@@ -131,9 +131,12 @@ def record_prefill_spans(
             "pdserve.kv_bytes": ended.sent.num_bytes,
             "pdserve.kv_exposed_s": result.kv_exposed_s or 0.0,
             "pdserve.kv_backend": str((request.kv_ticket or {}).get("backend", "")),
+            "pdserve.kv_windows": ended.sent.num_windows,
         }
-        last_chunk_start = metrics.prefill_chunks[-1][0]
-        tracing.record_span("pdserve.kv_transfer", last_chunk_start, ended.ended_at, context, transfer, ended.failure)
+        # One window per chunk that completed blocks, the last chunk's always among them.
+        chunks = metrics.prefill_chunks
+        first_push = chunks[max(0, len(chunks) - ended.sent.num_windows)][0]
+        tracing.record_span("pdserve.kv_transfer", first_push, ended.ended_at, context, transfer, ended.failure)
 
 
 def _timings(metrics: RequestMetrics | None, ended: HandoffEnded) -> dict:

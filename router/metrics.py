@@ -246,6 +246,7 @@ _REPLICA_COUNTERS = (
     ("pdserve:num_preemptions", "num_preemptions", "Requests preempted for KV blocks."),
     ("pdserve:kv_lease_expirations", "num_kv_lease_expirations", "KV hand-offs whose lease ran out."),
     ("pdserve:prefills_expired", "num_prefills_expired", "Prompts a prefill replica dropped uncomputed: lease over."),
+    ("pdserve:kv_pushes_cancelled", "num_kv_pushes_cancelled", "KV pushes cut off mid-prompt: aborted, preempted."),
     ("pdserve:kv_transfer_failures", "num_kv_transfer_failures", "KV hand-offs that failed, for any reason."),
 )
 

@@ -205,6 +205,13 @@ def test_engine_config_disagg():
     assert prefill.kv_connector.factory == "kv_transfer.connector:TransferConnector"
     hosts = {"host": "127.0.0.1", "advertise_host": None}
     assert prefill.kv_connector.options == {"backend": "grpc", "receive": False, "integrity": "crc32", **hosts}
+    assert prefill.kv_connector.push_every_chunk is None  # auto: the engine decides by its device
+    assert (
+        load_cluster_config(overrides={"mode": "disagg", "kv_push_every_chunk": False})
+        .engine_config("prefill")
+        .kv_connector.push_every_chunk
+        is False
+    )
 
     decode = config.engine_config("decode")
     assert decode.scheduler.role is EngineRole.DECODE

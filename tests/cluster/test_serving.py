@@ -136,7 +136,14 @@ def check_greedy(cluster: LocalCluster, expected) -> None:
 
 
 # --- correctness, one deployment per layout ---------------------------------------------------
-DISAGG = {"mode": "disagg", "prefill.tensor_parallel_size": 3, "decode.tensor_parallel_size": 1}
+# Prompts in chunks of 16 tokens, each chunk's KV blocks pushed as it computes (not the CPU default).
+DISAGG = {
+    "mode": "disagg",
+    "prefill.tensor_parallel_size": 3,
+    "decode.tensor_parallel_size": 1,
+    "prefill.max_prefill_chunk": 16,
+    "kv_push_every_chunk": True,
+}
 # The tcp deployment also writes every process's spans to one file (a deployment fewer than a
 # traced one of its own): the trace test finds its request's spans there by trace id.
 TRACE_FILE = Path(tempfile.gettempdir()) / f"pdserve-test-spans-{os.getpid()}.jsonl"
@@ -275,7 +282,12 @@ def test_one_trace_follows_a_request_from_the_client_through_router_prefill_kv_a
         assert parent_of(name) == "pdserve.decode"
     services = {s["resource"]["attributes"]["service.name"] for s in spans}
     assert services == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
-    assert by_name["pdserve.kv_transfer"]["attributes"]["pdserve.kv_bytes"] > 0
+    transfer = by_name["pdserve.kv_transfer"]
+    assert transfer["attributes"]["pdserve.kv_bytes"] > 0
+    # Pushed chunk by chunk: the transfer began before the prompt's last chunk did.
+    chunks = sorted(s["start_time"] for s in spans if s["name"] == "pdserve.prefill.chunk")
+    assert 2 <= transfer["attributes"]["pdserve.kv_windows"] <= len(chunks)
+    assert transfer["start_time"] < chunks[-1]
     assert prompt[:40] not in path.read_text()  # prompt text is never recorded
 
 

@@ -109,9 +109,11 @@ def transfer(
     lease_s=30.0,
     seed=0,
     integrity="crc32",
+    windows: list[int] | None = None,
     **shape,
 ):
-    """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side)."""
+    """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side).
+    ``windows``: the blocks of each window the transfer leaves in, in order (None: one window)."""
     src, full = make_side(sender_tp, fill=True, seed=seed, shared=pulls(transport), **shape)
     dst, _ = make_side(receiver_tp, fill=False, **shape)
     receivers = [KVReceiver(dst.caches[r], dst.layouts[r], transport.name) for r in range(receiver_tp)]
@@ -124,9 +126,15 @@ def transfer(
         rx.expect(ticket)
     senders = [KVSender(src.layouts[s], "m", transport, integrity=integrity) for s in range(sender_tp)]
     for s, sender in enumerate(senders):
-        sender.start(ticket, src_blocks)
-        for layer, kv in enumerate(src.caches[s]):
-            sender.send_layer(ticket.request_id, layer, kv)
+        start = 0
+        for i, count in enumerate(windows or [nb]):
+            if i == 0:
+                sender.start(ticket, src_blocks[:count])
+            else:
+                sender.next_window(ticket.request_id, src_blocks[start : start + count])
+            start += count
+            for layer, kv in enumerate(src.caches[s]):
+                sender.send_layer(ticket.request_id, layer, kv)
         sender.finish(ticket.request_id, first_token_id=42)
     return receivers, senders, ticket, full, dst, src_blocks
 

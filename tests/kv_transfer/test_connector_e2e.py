@@ -19,37 +19,56 @@ from common.config import (
 from engine import SamplingParams
 from engine.async_engine import load_report
 from engine.llm_engine import LLMEngine
-from kv_transfer import make_ticket
+from kv_transfer import TransferState, make_ticket
 from tests.conftest import PROMPTS
+from tests.kv_transfer.harness import wait_until
 
 pytestmark = pytest.mark.slow
 
 CONNECTOR = "kv_transfer.connector:TransferConnector"
 
 
-def engine(model_dir, role, tp, backend, receive=False, shared_memory=False) -> LLMEngine:
+def engine(
+    model_dir, role, tp, backend, receive=False, shared_memory=False, every_chunk=True, kv_memory=32 * 2**20
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(model_dir)),
-            cache=CacheConfig(kv_cache_memory=32 * 2**20, shared_memory=shared_memory),
+            cache=CacheConfig(kv_cache_memory=kv_memory, shared_memory=shared_memory),
             scheduler=SchedulerConfig(role=role, max_prefill_chunk=24),  # several chunks per prompt
             parallel=ParallelConfig(tensor_parallel_size=tp),
-            kv_connector=KVConnectorConfig(CONNECTOR, {"backend": backend, "receive": receive}),
+            kv_connector=KVConnectorConfig(
+                CONNECTOR, {"backend": backend, "receive": receive}, push_every_chunk=every_chunk
+            ),
         )
     )
+
+
+def _hand_out(
+    decode: LLMEngine, request_id: str, ids: list[int], params: SamplingParams, backend="inproc", lease_s=60.0
+) -> dict:
+    """Reserve the prompt's blocks on ``decode`` and register its ticket there; the ticket."""
+    block_ids = decode.reserve(request_id, ids, params)
+    ticket = make_ticket(
+        request_id, backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), lease_s
+    ).to_dict()
+    decode.expect_kv(request_id, ticket)
+    return ticket
 
 
 def run_pair(prefill: LLMEngine, decode: LLMEngine, backend: str, prompts: list[list[int]], lease_s=60.0):
     params = SamplingParams(temperature=0, max_tokens=8)
     for i, ids in enumerate(prompts):
-        request_id = f"req-{i}"
-        block_ids = decode.reserve(request_id, ids, params)
-        ticket = make_ticket(
-            request_id, backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), lease_s
-        ).to_dict()
-        decode.expect_kv(request_id, ticket)
-        prefill.add_request(request_id, ids, params, kv_ticket=ticket)
+        ticket = _hand_out(decode, f"req-{i}", ids, params, backend, lease_s)
+        prefill.add_request(f"req-{i}", ids, params, kv_ticket=ticket)
     return drive(prefill, decode)
+
+
+def windows_of(num_tokens: int, chunk: int, block_size: int) -> int:
+    """The windows a prompt's push leaves in: one per chunk before the last that completes a
+    block, and the last chunk's."""
+    ends = range(chunk, num_tokens, chunk)  # where each chunk before the last one ends
+    return len({end // block_size for end in ends if end >= block_size}) + 1
 
 
 def drive(prefill: LLMEngine, decode: LLMEngine, max_steps: int = 2000) -> dict:
@@ -93,6 +112,12 @@ def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backe
             per_block = layout.bytes_per_block_per_layer // layout.num_kv_heads * layout.total_kv_heads  # K and V
             assert sent.failure is None and sent.num_bytes == layout.num_layers * num_blocks * per_block
             assert sent.seconds is not None and sent.seconds > 0
+        # Each of the long prompt's chunks pushed the blocks it completed, the last one the rest.
+        assert [prefill.transfers_sent[f"req-{i}"].num_windows for i in range(4)] == [
+            *[1, 1, 1],
+            windows_of(len(prompts[3]), chunk=24, block_size=layout.block_size),
+        ]
+        assert windows_of(len(prompts[3]), 24, 16) >= 4
         assert prefill.num_kv_transfer_failures == decode.num_kv_transfer_failures == 0
         if backend == "shm" and prefill_tp == 1:  # the driver's own sender: which path did it take?
             channels = prefill.executor.driver.connector.sender._channels.values()
@@ -292,17 +317,106 @@ def test_a_prompt_whose_lease_ran_out_is_dropped_before_more_of_it_is_computed(s
         dropped = {o.request_id: o for o in prefill.step() if o.error}
         assert set(dropped) == {"waiting"} and "lease expired" in dropped["waiting"].error
         assert dropped["waiting"].metrics.prefill_chunks == []  # not one token of it computed
-        # "mid": its lease runs out after its first chunk; the next step drops it.
-        prefill.handoff.tickets["mid"]["lease_deadline"] = time.time() - 1
+        # "mid": its lease runs out after its first chunk (whose block it pushed); the next step drops it.
+        prefill.handoff.push_leases["mid"] = time.time() - 1
         dropped = {o.request_id: o for o in prefill.step() if o.error}
         assert set(dropped) == {"mid"} and len(dropped["mid"].metrics.prefill_chunks) == 1
         assert prefill.num_prefills_expired == 2 and load_report(prefill)["num_prefills_expired"] == 2
+        assert load_report(prefill)["num_kv_pushes_cancelled"] == 1  # "mid"'s
         for request_id in ("waiting", "mid"):  # the decode replica frees them when its own lease ends
             decode.abort_request(request_id, error="lease expired before the KV arrived")
         finished = drive(prefill, decode)
         assert finished["ok"].outputs[0].token_ids == hf_reference(hf_smol, long_ids[:40], 4)
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("every_chunk", [True, False])
+def test_a_long_prompt_s_blocks_leave_while_its_later_chunks_compute(every_chunk, smol_dir, hf_smol, hf_reference):
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "tcp", every_chunk=every_chunk)
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "tcp", receive=True)
+    receiver = decode.executor.driver.connector.receiver
+    try:
+        ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)  # ~100 tokens: chunks of 24, 7 blocks
+        params = SamplingParams(temperature=0, max_tokens=4)
+        prefill.add_request("r", ids, params, kv_ticket=_hand_out(decode, "r", ids, params, "tcp"))
+        prefill.step()  # the first chunk: 24 tokens, one full block
+        # Pushed by the chunk that computed it, or held back to the prompt's end.
+        landed = wait_until(lambda: receiver.poll("r").layers_complete == decode.layout.num_layers, 5.0)
+        assert landed is every_chunk, receiver.poll("r")
+        assert receiver.poll("r").state is (TransferState.TRANSFERRING if every_chunk else TransferState.PENDING)
+        finished = drive(prefill, decode)
+        assert finished["r"].outputs[0].token_ids == hf_reference(hf_smol, ids, 4)
+        windows = windows_of(len(ids), chunk=24, block_size=16)
+        assert windows >= 4 and prefill.transfers_sent["r"].num_windows == (windows if every_chunk else 1)
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_request_aborted_mid_push_holds_its_blocks_until_the_push_is_cancelled(smol_dir, hf_smol, hf_reference):
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    receiver = decode.executor.driver.connector.receiver
+    try:
+        ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)
+        params = SamplingParams(temperature=0, max_tokens=4)
+        prefill.add_request("gone", ids, params, kv_ticket=_hand_out(decode, "gone", ids, params))
+        prefill.step()
+        prefill.step()  # two chunks in: three blocks pushed
+        held = prefill.num_blocks_held()
+        assert "gone" in prefill.handoff.pushing and held > 0
+        sender = prefill.executor.driver.connector.sender
+        prefill.abort_request("gone")
+        assert prefill.num_kv_pushes_cancelled == 1
+        # Held while the push may still read them; freed once every shard reports it ended.
+        assert wait_until(lambda: sender.poll("gone").state is TransferState.FAILED)
+        drive(prefill, decode, max_steps=50)
+        assert prefill.num_blocks_held() == 0
+        assert receiver.poll("gone").state is TransferState.TRANSFERRING  # never counted as done
+        decode.abort_request("gone", error="prefill failed")
+        # Both keep serving: the same prompt again, under a fresh ticket.
+        prefill.add_request("again", ids, params, kv_ticket=_hand_out(decode, "again", ids, params))
+        finished = drive(prefill, decode)
+        assert finished["again"].outputs[0].token_ids == hf_reference(hf_smol, ids, 4)
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_request_preempted_mid_push_ends_with_an_error_and_the_other_completes(smol_dir, hf_smol, hf_reference):
+    # Eight blocks for two prompts of five each: the later one is preempted once both have grown.
+    per_block = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2's layers, K and V, block of 16, 3 KV heads of 64, float32
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc", kv_memory=8 * per_block)
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    try:
+        assert prefill.layout.num_blocks == 8
+        params = SamplingParams(temperature=0, max_tokens=4)
+        first = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)
+        second = prefill.tokenizer.encode(" ".join(reversed(PROMPTS)) * 3)
+        assert -(-len(first) // 16) == -(-len(second) // 16) == 5
+        for request_id, ids in (("first", first), ("second", second)):
+            prefill.add_request(request_id, ids, params, kv_ticket=_hand_out(decode, request_id, ids, params))
+        errors = {}
+        for _ in range(20):
+            errors.update({o.request_id: o.error for o in prefill.step() if o.error})
+            if errors:
+                break
+        assert set(errors) == {"second"} and "preempted" in errors["second"], errors
+        assert prefill.num_preemptions >= 1 and prefill.num_kv_pushes_cancelled == 1
+        decode.abort_request("second", error="prefill failed")
+        finished = drive(prefill, decode)
+        assert finished["first"].outputs[0].token_ids == hf_reference(hf_smol, first, 4)
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        prefill.check_integrity()
+        decode.check_integrity()
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -91,12 +91,19 @@ def test_layers_arrive_before_later_layers_are_produced(transport):
     sender.close()
 
 
-def _layer_by_layer(transport, lease_s: float, integrity: str = "crc32", require_integrity: str = "none"):
-    """One sender and one receiver shard of the 3-layer test layout, the ticket issued, nothing sent."""
+def _layer_by_layer(transport, lease_s: float, integrity: str = "crc32", require_integrity: str = "none", windows=(4,)):
+    """One sender and one receiver shard of the 3-layer test layout, the ticket issued, nothing sent
+    (``windows``: the blocks of the first window, and of each next one)."""
     src, _ = make_side(1, fill=True, shared=pulls(transport))
     receiver, ticket, dst = _one_receiver(transport, lease_s, require_integrity)
     sender = KVSender(src.layouts[0], "m", transport, integrity=integrity)
-    sender.start(ticket, [7, 8, 9, 10])
+    source, start = [7, 8, 9, 10], 0
+    for i, count in enumerate(windows):
+        if i == 0:
+            sender.start(ticket, source[:count])
+        else:
+            sender.next_window("req-1", source[start : start + count])
+        start += count
     return src, dst, receiver, sender
 
 
@@ -137,10 +144,14 @@ def test_a_delayed_layer_chunk_lands_within_the_lease_and_fails_past_it(transpor
     sender.close()
 
 
-def _layer0_chunk(num_heads: int, checksum: int | bytes | None = None) -> tuple[ChunkHeader, bytes]:
+def _layer0_chunk(
+    num_heads: int, checksum: int | bytes | None = None, block_offset: int = 0, num_blocks: int = 4
+) -> tuple[ChunkHeader, bytes]:
     """A hand-made layer-0 chunk of ones for the 4-block, 8-dim test layout (not from a KVSender)."""
-    payload = torch.ones(2, 4, 4, num_heads, 8).numpy().tobytes()
-    header = layer_chunk_header(num_heads=num_heads, num_blocks=4, nbytes=len(payload), checksum=checksum)
+    payload = torch.ones(2, max(num_blocks, 1), 4, num_heads, 8).numpy().tobytes()
+    header = layer_chunk_header(
+        num_heads=num_heads, block_offset=block_offset, num_blocks=num_blocks, nbytes=len(payload), checksum=checksum
+    )
     return header, payload
 
 
@@ -367,3 +378,78 @@ def test_payload_checks_per_mode():
     assert payload_matches(None, key, changed)
     with pytest.raises(ValueError, match="integrity='sha1'"):
         KVSender(layout_for(1, 0), "m", transport_named("inproc"), integrity="sha1")
+
+
+# --- windows: a transfer's blocks leaving in consecutive ranges (a prefill's prompt chunks) ---
+
+
+@pytest.mark.parametrize(("sender_tp", "receiver_tp"), [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("windows", [[1, 2, 1], [3, 1]])
+def test_a_transfer_in_windows_lands_bit_exact(transport, sender_tp, receiver_tp, windows):
+    # Fragmented source blocks and reversed reserved ones: every window is gathered and scattered.
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transport, sender_tp, receiver_tp, src_blocks=[9, 3, 4, 12], windows=windows
+    )
+    rx = wait_terminal([lambda r=r: r.poll("req-1") for r in receivers])
+    tx = wait_terminal([lambda s=s: s.poll("req-1") for s in senders])
+    assert all(s.state is TransferState.DONE for s in rx + tx), [(s.state, s.reason) for s in rx + tx]
+    assert all(s.first_token_id == 42 and s.layers_complete == 3 for s in rx)
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    untouched = [b for b in range(dst.layouts[0].num_blocks) if b not in ticket.block_ids[: ticket.num_blocks]]
+    assert all(torch.count_nonzero(layer[:, untouched]) == 0 for shard in dst.caches for layer in shard)
+    assert [s.stats("req-1").num_windows for s in senders] == [len(windows)] * sender_tp
+    assert senders[0].stats("req-1").num_layers == 3
+    for s in senders:
+        s.close()
+
+
+def test_a_sender_that_finishes_with_blocks_unsent_fails_and_the_receiver_never_completes(transport):
+    src, _, receiver, sender = _layer_by_layer(transport, lease_s=30.0, windows=[2])
+    for layer in range(3):
+        sender.send_layer("req-1", layer, src.caches[0][layer])
+    sender.finish("req-1", 5)  # two of the ticket's four blocks sent
+    (tx,) = wait_terminal([lambda: sender.poll("req-1")])
+    assert tx.state is TransferState.FAILED and "2 of the ticket's 4 blocks" in tx.reason, tx
+    assert receiver.poll("req-1").state is TransferState.TRANSFERRING  # no "done" reached it
+    receiver.release("req-1")
+    sender.close()
+
+
+def test_cancel_fails_a_transfer_after_the_layers_queued_before_it(transport):
+    src, dst, receiver, sender = _layer_by_layer(transport, lease_s=30.0, windows=[2])
+    sender.send_layer("req-1", 0, src.caches[0][0])
+    sender.cancel("req-1", "aborted mid-prompt")
+    sender.send_layer("req-1", 1, src.caches[0][1])  # after the cancel: never sent
+    (tx,) = wait_terminal([lambda: sender.poll("req-1")])
+    assert tx.state is TransferState.FAILED and tx.reason == "aborted mid-prompt"
+    assert tx.layers_sent == 1
+    assert receiver.poll("req-1").state is TransferState.TRANSFERRING
+    assert torch.count_nonzero(dst.caches[0][1]) == 0
+    receiver.release("req-1")
+    sender.close()
+
+
+def test_a_chunk_whose_window_is_outside_the_ticket_is_refused(transport):
+    receiver, ticket, dst = _one_receiver(transport)
+    channel = transport.connect(ticket.receiver_endpoints[0])
+    for offset, count in [(3, 2), (-1, 1), (0, 0)]:
+        header, payload = _layer0_chunk(num_heads=2, block_offset=offset, num_blocks=count)
+        with pytest.raises(TransferRefused, match="not among the ticket's 4"):
+            channel.send(encode_header(header, ticket.secret), payload, 5)
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    assert receiver.refusals["shape"] == 3 and receiver.poll("req-1").state is TransferState.PENDING
+
+
+@pytest.mark.parametrize("windows", [[[0, 2]], [[0, 2], [1, 3]], [[0, 2], [3, 1]], [[0, 4], [4, 1]], "x"])
+def test_a_done_whose_windows_do_not_tile_the_ticket_fails_the_transfer(windows):
+    transport = transport_named("tcp")
+    try:
+        receiver, ticket, _ = _one_receiver(transport)
+        channel = transport.connect(ticket.receiver_endpoints[0])
+        done = ChunkHeader(kind="done", request_id="req-1", sender_rank=0, sender_tp=1, receiver_rank=0)
+        done.windows = windows
+        channel.send(encode_header(done, ticket.secret), b"", 5)
+        (rx,) = wait_terminal([lambda: receiver.poll("req-1")])
+        assert rx.state is TransferState.FAILED and "do not tile" in rx.reason, rx
+    finally:
+        transport.shutdown()
