@@ -4,8 +4,9 @@ Prefill role: a request added with a ticket is pushed layer by layer while its p
 each prompt chunk's step pushes the blocks that chunk completed (a window of the ticket's blocks),
 the step that computes the end of the prompt pushes the rest and the "done". Its blocks stay held
 (FINISHED_PREFILLED) until every shard reports its part terminal, then they are released. A
-request that ends before its prompt did (aborted, preempted, its lease run out) has its push
-cancelled; its blocks are held until every shard reports that terminal too.
+request that ends before its prompt did (aborted, preempted, its lease run out, one shard's push
+failed) has its push cancelled on every shard; its blocks are held until every shard reports that
+terminal too.
 
 Decode role: a reserved request's ticket is registered on every shard; when every shard reports
 DONE the request is queued to decode with the first token prefill sampled; when any reports
@@ -34,6 +35,7 @@ class SentKV:
     seconds: float | None  # the slowest shard's first chunk to its last acknowledgement
     num_bytes: int  # every shard's bytes together
     num_windows: int = 1  # the block windows the push left in (one per prompt chunk that completed blocks)
+    cancelled: bool = False  # cut off mid-prompt by its engine (aborted, preempted, lease over): not a failure
 
 
 @dataclass(slots=True)
@@ -41,6 +43,7 @@ class HandoffResult:
     sent: list[SentKV] = field(default_factory=list)
     received: list[tuple[str, int]] = field(default_factory=list)  # (request id, first token id)
     failed_receives: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
+    failed_pushes: list[tuple[str, str]] = field(default_factory=list)  # mid-prompt: (request id, reason)
 
 
 class KVHandoff:
@@ -54,6 +57,7 @@ class KVHandoff:
         self.pushing: dict[str, int] = {}  # prefill, mid-prompt: request id -> ticket blocks pushed so far
         self.push_leases: dict[str, float] = {}  # of those, the ticket's lease deadline (wall clock)
         self.receiving: set[str] = set()
+        self.cancelled: set[str] = set()  # of ``sending``, the pushes this side cut off
         self._forget: list[str] = []
         self._cancel: list[str] = []
 
@@ -72,6 +76,7 @@ class KVHandoff:
         """The request ended mid-prompt with its push started: the next message cancels it (the
         caller holds the blocks until the transfer is reported terminal)."""
         if self.end_push(request_id):
+            self.cancelled.add(request_id)
             self._cancel.append(request_id)
 
     def end_push(self, request_id: str) -> bool:
@@ -126,14 +131,24 @@ class KVHandoff:
         result = HandoffResult()
         for request_id in list(self.sending):
             states = [r["sends"][request_id] for r in reports if request_id in r.get("sends", {})]
+            failed = next((s for s in states if s[0] == _FAILED), None)
+            if failed is not None and request_id in self.pushing:
+                # A shard's push failed mid-prompt (a receiver refused it, its lease ran out): the
+                # request ends now, and the other shards' pushes are cancelled rather than left to
+                # run to the prompt's end.
+                self.cancel(request_id)
+                result.failed_pushes.append((request_id, failed[1] or "failed"))
             if len(states) < self.num_shards or any(s[0] < _DONE for s in states):
                 continue
             failure = next((s[1] or "failed" for s in states if s[0] == _FAILED), None)
             times = [s[2] for s in states if len(s) > 2 and s[2] is not None]
             num_bytes = sum(s[3] for s in states if len(s) > 3)
             windows = max((s[4] for s in states if len(s) > 4), default=1)
-            result.sent.append(SentKV(request_id, failure, max(times) if times else None, num_bytes, windows))
+            seconds = max(times) if times else None
+            cancelled = request_id in self.cancelled
+            result.sent.append(SentKV(request_id, failure, seconds, num_bytes, windows, cancelled))
             self.sending.discard(request_id)
+            self.cancelled.discard(request_id)
             self._forget.append(request_id)
         for request_id in list(self.receiving):
             states = [r["receives"][request_id] for r in reports if request_id in r.get("receives", {})]

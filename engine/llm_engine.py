@@ -107,7 +107,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
-        if request_id in self.outputs.states or request_id in self.scheduler.requests:
+        # A push still ending (its request preempted mid-prompt) keeps its id: the shards key it so.
+        sending = self.handoff is not None and request_id in self.handoff.sending
+        if request_id in self.outputs.states or request_id in self.scheduler.requests or sending:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -372,17 +374,19 @@ class LLMEngine:
     def _apply_handoff(self, reports: list[dict]) -> None:
         assert self.handoff is not None
         result = self.handoff.merge(reports)
+        for request_id, reason in result.failed_pushes:
+            # Failed mid-prompt (a receiver refused it, its lease ran out): so does the request, its
+            # blocks held until every shard's push, cancelled in the next message, has let go of them.
+            self.num_kv_transfer_failures += 1
+            logger.warning("KV push of %s failed mid-prompt: %s", request_id, reason)
+            error = f"KV transfer failed: {reason}"
+            request = self.scheduler.hold_for_handoff(request_id, RequestStatus.FINISHED_ERROR, error)
+            if request is not None and request_id in self.outputs.states:
+                self._outputs_outside_step.append(self.outputs.build(request_id))
         for sent in result.sent:
             request_id = sent.request_id
-            if self.handoff.end_push(request_id):
-                # Ended mid-prompt (its lease ran out, a receiver refused it): so does the request.
-                # The shards are done reading its blocks, which finishing it frees.
-                self.num_kv_transfer_failures += 1
-                logger.warning("KV push of %s failed mid-prompt: %s", request_id, sent.failure)
-                error = f"KV transfer failed: {sent.failure}"
-                request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error)
-                if request is not None and request_id in self.outputs.states:
-                    self._outputs_outside_step.append(self.outputs.build(request_id))
+            if sent.cancelled:  # cut off mid-prompt and counted then; the request has ended
+                self.scheduler.release(request_id)  # its held blocks (none left if it was preempted)
                 continue
             if sent.failure is not None:
                 self.transfer_failures[request_id] = sent.failure

@@ -65,8 +65,10 @@ class NotInPlace(TransferRefused):
     """This receiver cannot take the chunk in place; the sender may send it to be copied instead."""
 
 
-# A chunk's place in a transfer: (sender, layer, dst_head_offset, the window's block_offset).
-_ChunkKey = tuple[int, int, int, int]
+# A chunk's place in a transfer: (sender, layer, dst_head_offset, the window's block_offset and
+# num_blocks). The window's size is part of it: a chunk of blocks [0, 2) must not stand in for a
+# "done" that announces one window [0, N).
+_ChunkKey = tuple[int, int, int, int, int]
 
 
 @dataclass
@@ -81,17 +83,17 @@ class _Incoming:
     windows: dict[tuple[int, int], tuple[list[int], BlockCopyPlan]] = field(default_factory=dict)
     landed: set[_ChunkKey] = field(default_factory=set)
     layers_landed: Counter = field(default_factory=Counter)  # layer -> (segment, window) pairs landed
-    offsets_landed: set[int] = field(default_factory=set)  # the windows that chunks landed in
+    windows_landed: set[tuple[int, int]] = field(default_factory=set)  # (block_offset, num_blocks) chunks landed in
     done_from: set[int] = field(default_factory=set)
-    done_windows: dict[int, list[int]] = field(default_factory=dict)  # sender -> its windows' block offsets
+    done_windows: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # sender -> its windows
     first_token_id: int | None = None
     stats: TransferStats | None = None
     # (checked header fields, sender's block ids, their copy plan): what pulled layers share
     pull_plan: tuple[tuple[int, ...], list[int], BlockCopyPlan] | None = None
     writing: set[_ChunkKey] = field(default_factory=set)  # chunks a transport is receiving in place
     in_flight: list[DirectWrite] = field(default_factory=list)  # the writes under way (their abort hooks)
-    # (block offset, run lengths); (first block, length) of each run
-    direct_plan: tuple[tuple[int, list[int]], list[tuple[int, int]]] | None = None
+    # (block offset, num blocks, run lengths); (first block, length) of each run
+    direct_plan: tuple[tuple[int, int, list[int]], list[tuple[int, int]]] | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -388,7 +390,7 @@ class KVReceiver:
         window's reserved blocks in order, cut where the sender said, each run consecutive here too."""
         run_lengths = header.run_lengths
         cached = incoming.direct_plan
-        if cached is None or cached[0] != (header.block_offset, run_lengths):
+        if cached is None or cached[0] != (header.block_offset, header.num_blocks, run_lengths):
             reserved = self._window(incoming, header)[0]
             if (
                 not isinstance(run_lengths, list)
@@ -404,7 +406,7 @@ class KVReceiver:
                     self._refuse("shape", f"run of {n} blocks from reserved block {first} is not consecutive here")
                 runs.append((first, n))
                 start += n
-            cached = incoming.direct_plan = ((header.block_offset, list(run_lengths)), runs)
+            cached = incoming.direct_plan = ((header.block_offset, header.num_blocks, list(run_lengths)), runs)
         return cached[1]
 
     def _layers_of(self, header: ChunkHeader, payload_batch: bool = False) -> list[ChunkHeader]:
@@ -443,7 +445,7 @@ class KVReceiver:
     def _check_chunk(self, incoming: _Incoming, header: ChunkHeader) -> _ChunkKey:
         """The chunk's key in the transfer plan, once it is known to be expected, new and well shaped."""
         # The plan covers this shard's layers only.
-        key = (header.sender_rank, header.layer, header.dst_head_offset, header.block_offset)
+        key = (header.sender_rank, header.layer, header.dst_head_offset, header.block_offset, header.num_blocks)
         if key[:3] not in incoming.expected:
             self._refuse("unplanned", f"chunk {key} is not part of the transfer plan")
         self._window(incoming, header)
@@ -604,7 +606,7 @@ class KVReceiver:
         incoming.landed.update(keys)
         for header in headers:
             incoming.layers_landed[header.layer] += 1
-            incoming.offsets_landed.add(header.block_offset)
+            incoming.windows_landed.add((header.block_offset, header.num_blocks))
         if stats.first_layer_time is None and self._layers_complete(incoming) >= 1:
             stats.first_layer_time = now
         if incoming.state is TransferState.PENDING:
@@ -700,12 +702,12 @@ class KVReceiver:
     def _on_done(self, incoming: _Incoming, header: ChunkHeader) -> None:
         sender = header.sender_rank
         windows = header.windows if header.windows is not None else [[0, incoming.ticket.num_blocks]]
-        offsets = _tiling_offsets(windows, incoming.ticket.num_blocks)
-        if offsets is None:
+        tiling = _tiling_windows(windows, incoming.ticket.num_blocks)
+        if tiling is None:
             self._fail(incoming, f"sender {sender} finished with windows {windows!r} that do not tile the ticket")
             return
         incoming.done_from.add(sender)
-        incoming.done_windows[sender] = offsets
+        incoming.done_windows[sender] = tiling
         if header.first_token_id is not None:
             incoming.first_token_id = header.first_token_id
         announced = self._keys_of(incoming, sender)
@@ -719,8 +721,8 @@ class KVReceiver:
     @staticmethod
     def _keys_of(incoming: _Incoming, sender: int) -> set[_ChunkKey]:
         """Every chunk a finished sender's windows owe this shard."""
-        offsets = incoming.done_windows[sender]
-        return {(*key, offset) for key in incoming.expected if key[0] == sender for offset in offsets}
+        windows = incoming.done_windows[sender]
+        return {(*key, offset, count) for key in incoming.expected if key[0] == sender for offset, count in windows}
 
     def _maybe_done(self, incoming: _Incoming) -> None:
         if not incoming.done_from:
@@ -742,7 +744,7 @@ class KVReceiver:
     def _layers_complete(self, incoming: _Incoming) -> int:
         if incoming.sender_tp is None:
             return 0
-        per_layer = len(incoming.expected) // self.layout.num_layers * max(1, len(incoming.offsets_landed))
+        per_layer = len(incoming.expected) // self.layout.num_layers * max(1, len(incoming.windows_landed))
         count = 0
         for layer in range(self.layout.num_layers):  # layers land in order; count the complete prefix
             if incoming.layers_landed[layer] < per_layer:
@@ -771,18 +773,19 @@ def _payload_bytes(dst: torch.Tensor, scatter: BlockCopyPlan) -> memoryview:
 __all__ = ["KVReceiver", "ReceiveStatus", "shard_heads"]
 
 
-def _tiling_offsets(windows, num_blocks: int) -> list[int] | None:
-    """The block offsets of ``windows`` ([block_offset, num_blocks] each, from a "done"), if they
-    cover a ticket of ``num_blocks`` blocks in order without a gap or an overlap; else None."""
+def _tiling_windows(windows, num_blocks: int) -> list[tuple[int, int]] | None:
+    """``windows`` ([block_offset, num_blocks] each, from a "done") as pairs, if they cover a ticket of
+    ``num_blocks`` blocks in order without a gap or an overlap; else None."""
     if not isinstance(windows, list) or not 0 < len(windows) <= max(1, num_blocks):
         return None
-    offsets, end = [], 0
+    tiling: list[tuple[int, int]] = []
+    end = 0
     for window in windows:
         if not (type(window) is list and len(window) == 2 and all(type(v) is int for v in window)):
             return None
         offset, count = window
         if offset != end or count <= 0:
             return None
-        offsets.append(offset)
+        tiling.append((offset, count))
         end += count
-    return offsets if end == num_blocks else None
+    return tiling if end == num_blocks else None

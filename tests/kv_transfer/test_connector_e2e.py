@@ -16,6 +16,7 @@ from common.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from common.errors import InvalidRequestError
 from engine import SamplingParams
 from engine.async_engine import load_report
 from engine.llm_engine import LLMEngine
@@ -376,7 +377,7 @@ def test_a_request_aborted_mid_push_holds_its_blocks_until_the_push_is_cancelled
         # Held while the push may still read them; freed once every shard reports it ended.
         assert wait_until(lambda: sender.poll("gone").state is TransferState.FAILED)
         drive(prefill, decode, max_steps=50)
-        assert prefill.num_blocks_held() == 0
+        assert prefill.num_blocks_held() == 0 and prefill.num_kv_transfer_failures == 0  # cancelled, not failed
         assert receiver.poll("gone").state is TransferState.TRANSFERRING  # never counted as done
         decode.abort_request("gone", error="prefill failed")
         # Both keep serving: the same prompt again, under a fresh ticket.
@@ -413,10 +414,44 @@ def test_a_request_preempted_mid_push_ends_with_an_error_and_the_other_completes
         assert prefill.num_preemptions >= 1 and prefill.num_kv_pushes_cancelled == 1
         decode.abort_request("second", error="prefill failed")
         finished = drive(prefill, decode)
+        assert prefill.num_kv_transfer_failures == 0  # cancelled, not failed
         assert finished["first"].outputs[0].token_ids == hf_reference(hf_smol, first, 4)
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
         decode.check_integrity()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_push_refused_mid_prompt_ends_its_request_and_frees_its_blocks(smol_dir, hf_smol, hf_reference):
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
+    sender = prefill.executor.driver.connector.sender
+    try:
+        ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)  # ~100 tokens: chunks of 24
+        params = SamplingParams(temperature=0, max_tokens=4)
+        prefill.add_request("r", ids, params, kv_ticket=_hand_out(decode, "r", ids, params))
+        prefill.step()  # the first chunk's block is pushed
+        decode.abort_request("r", error="the client went away")  # its ticket is released: later chunks are refused
+        errors = {o.request_id: o.error for o in prefill.step() if o.error}  # the next chunk's push is refused
+        assert wait_until(lambda: sender.poll("r").state is TransferState.FAILED)
+        errors.update({o.request_id: o.error for o in prefill.step() if o.error})  # reported by now
+        assert set(errors) == {"r"} and errors["r"].startswith("KV transfer failed") and "released" in errors["r"]
+        assert prefill.num_kv_transfer_failures == 1 and prefill.num_kv_pushes_cancelled == 0
+        assert "r" not in prefill.handoff.pushing
+        # A push still ending after its request did (preempted mid-prompt) keeps the id taken.
+        prefill.handoff.sending.add("ending")
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            prefill.add_request("ending", ids, params)
+        prefill.handoff.sending.discard("ending")
+        drive(prefill, decode, max_steps=50)
+        assert prefill.num_blocks_held() == 0 and prefill.num_kv_transfer_failures == 1  # counted once
+        prefill.add_request("again", ids, params, kv_ticket=_hand_out(decode, "again", ids, params))
+        finished = drive(prefill, decode)
+        assert finished["again"].outputs[0].token_ids == hf_reference(hf_smol, ids, 4)
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
+        prefill.check_integrity()
     finally:
         prefill.shutdown()
         decode.shutdown()

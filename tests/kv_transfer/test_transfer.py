@@ -453,3 +453,24 @@ def test_a_done_whose_windows_do_not_tile_the_ticket_fails_the_transfer(windows)
         assert rx.state is TransferState.FAILED and "do not tile" in rx.reason, rx
     finally:
         transport.shutdown()
+
+
+def test_a_done_announcing_one_window_is_not_met_by_the_chunks_of_a_smaller_one():
+    # Every layer of blocks [0, 2) lands, then the "done" announces the whole ticket as one window
+    # [0, 4): blocks 2 and 3 never came, so the transfer fails instead of counting the smaller window.
+    transport = transport_named("tcp")
+    try:
+        receiver, ticket, _ = _one_receiver(transport)
+        channel = transport.connect(ticket.receiver_endpoints[0])
+        for layer in range(3):
+            header, payload = _layer0_chunk(num_heads=2, num_blocks=2)
+            header.layer = layer
+            channel.send(encode_header(header, ticket.secret), payload, 5)
+        assert receiver.poll("req-1").layers_complete == 3
+        done = ChunkHeader(kind="done", request_id="req-1", sender_rank=0, sender_tp=1, receiver_rank=0)
+        done.first_token_id, done.windows = 7, [[0, 4]]
+        channel.send(encode_header(done, ticket.secret), b"", 5)
+        (rx,) = wait_terminal([lambda: receiver.poll("req-1")])
+        assert rx.state is TransferState.FAILED and "3 chunks missing, 3 outside its windows" in rx.reason, rx
+    finally:
+        transport.shutdown()
