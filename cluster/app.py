@@ -284,7 +284,8 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
         # Bounded: beyond it the router answers 503 + Retry-After at once instead of queueing for minutes.
         "max_queued_requests": spec.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": spec.cpus_per_shard},
-        "placement_group_bundles": [{"CPU": spec.cpus_per_shard}] * tp,
+        # A pool's custom resources (ray_resources) keep its replicas on the nodes that offer them.
+        "placement_group_bundles": [{"CPU": spec.cpus_per_shard, **(spec.ray_resources or {})}] * tp,
         "placement_group_strategy": "STRICT_PACK",
         "health_check_period_s": config.health_check_period_s,
         "health_check_timeout_s": 30.0,

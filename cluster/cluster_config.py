@@ -30,12 +30,18 @@ from common.errors import ConfigError
 from common.tracing import check_tracing
 
 MODES = ("auto", "disagg", "colocated")
-TRANSPORTS = ("shm", "grpc", "torch", "tcp")  # kv_transfer backends that cross process boundaries ("inproc" does not)
+# kv_transfer backends that cross process boundaries ("inproc" does not); auto: shm between
+# replicas on one host, tcp between hosts, chosen per hand-off (kv_transfer/backends/auto.py).
+TRANSPORTS = ("auto", "shm", "grpc", "torch", "tcp")
 KV_INTEGRITY = ("none", "crc32", "mac")  # kv_transfer.protocol.INTEGRITY_MODES (not imported: that pulls in torch)
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CONNECTOR = "kv_transfer.connector:TransferConnector"
 KV_SHARE_OF_HOST = 0.2
 DEFAULT_KV_FRACTION = 0.2
+
+
+def _positive(amount: object) -> bool:
+    return type(amount) in (int, float) and amount > 0  # type: ignore[operator]
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,10 @@ class PoolConfig:
     # Colocated and decode pools; None: a colocated step takes up to max_num_batched_tokens of
     # prompts, a decode pool takes router.local_prefill_max_stall_s.
     max_decode_stall_s: float | None = None
+    # Ray custom resources each shard's placement-group bundle asks for besides its CPUs, e.g.
+    # {"prefill_node": 1} to keep the pool on the nodes started with that resource (`ray start
+    # --resources`): how pools are spread over the nodes of a multi-node cluster.
+    ray_resources: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -68,6 +78,17 @@ class PoolConfig:
         if self.max_ongoing_requests < 1:
             raise ConfigError(f"max_ongoing_requests={self.max_ongoing_requests} must be >= 1")
         ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        if self.ray_resources is not None and not (
+            isinstance(self.ray_resources, dict)
+            and all(
+                isinstance(name, str) and name and name not in ("CPU", "GPU", "memory") and _positive(amount)
+                for name, amount in self.ray_resources.items()
+            )
+        ):
+            raise ConfigError(
+                f"ray_resources={self.ray_resources!r} must map custom resource names to amounts > 0 "
+                "(CPU and GPU come from cpus_per_shard and the device)"
+            )
         if self.cores is not None and self.cores < self.tensor_parallel_size:
             raise ConfigError(
                 f"cores={self.cores} is fewer than tensor_parallel_size={self.tensor_parallel_size}: "
@@ -145,12 +166,13 @@ class ClusterConfig:
     # (cluster.app.with_resolved_kv_budget); elsewhere each instance takes DEFAULT_KV_FRACTION.
     kv_cache_memory: float | int | None = None
     enable_prefix_caching: bool = True
-    transport: str = "shm"  # KV transport between pools
+    transport: str = "auto"  # KV transport between pools
     # Where decode replicas' KV endpoints (tcp, grpc, torch) listen, and the address tickets name
     # for them (default: kv_host). Across hosts with tcp or grpc: kv_host 0.0.0.0 and
     # kv_advertise_host the address prefill replicas reach it at; torch binds the address senders
     # dial (its gloo/NCCL pairs use it too): kv_host the host's own address, nothing advertised.
-    # shm ignores both (one host only).
+    # "node" (either key): each decode replica's own Ray node address, for pools spread over the
+    # nodes of a Ray cluster. shm ignores both (one host only); auto's tcp half uses them.
     kv_host: str = "127.0.0.1"
     kv_advertise_host: str | None = None
     # How each KV chunk's payload is checked (kv_transfer.protocol): none (the chunk's header is
@@ -252,7 +274,7 @@ class ClusterConfig:
             kv_cache_memory=DEFAULT_KV_FRACTION if self.kv_cache_memory is None else self.kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
             # Decode replicas on this host read a prefill replica's blocks in place over shm.
-            shared_memory=self.disaggregated and pool == "prefill" and self.transport == "shm",
+            shared_memory=self.disaggregated and pool == "prefill" and self.transport in ("shm", "auto"),
         )
 
     @property
@@ -420,6 +442,8 @@ def _check_type(value: object, hint: object, path: str, source: str) -> object:
             return value if int in allowed else float(value)
         if kind is str and isinstance(value, str):
             return value
+        if typing.get_origin(kind) is dict and isinstance(value, Mapping):
+            return dict(value)  # its keys and values are checked by the dataclass that holds it
     expected = " or ".join("null" if kind is type(None) else getattr(kind, "__name__", str(kind)) for kind in allowed)
     raise ConfigError(f"{path}: expected {expected}, got {value!r} ({type(value).__name__}) in {source}")
 

@@ -34,6 +34,8 @@ FLAG_KEYS = {
     "dtype": "dtype",
     "compile": "compile",
     "transport": "transport",
+    "address": "ray_address",
+    "kv_host": "kv_host",
     "stream_interval": "stream_interval",
     "conditional_disaggregation": "router.conditional_disaggregation",
     "tracing": "tracing",
@@ -67,7 +69,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU: run the layer stack through the compiled kernels (default on; --no-compile: plain torch, eager)",
     )
-    parser.add_argument("--transport", choices=["shm", "grpc", "torch", "tcp"], help="KV transport between pools")
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "shm", "grpc", "torch", "tcp"],
+        help="KV transport between pools (default auto: shm between replicas on one host, tcp between hosts)",
+    )
+    parser.add_argument(
+        "--address",
+        help="join a running Ray cluster (auto: the one `ray start` runs here; ray://HOST:PORT: a remote one) "
+        "instead of starting a local Ray",
+    )
+    parser.add_argument(
+        "--kv-host",
+        help="where decode replicas' KV endpoints listen (default 127.0.0.1; node: each replica's Ray node address)",
+    )
     parser.add_argument(
         "--stream-interval", type=int, help="tokens per streamed chunk after the first (default 1: every token)"
     )

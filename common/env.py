@@ -45,6 +45,13 @@ def cpu_auto_dtype() -> str | None:
     return value if value in ("float32", "bfloat16") else None
 
 
+def host_id() -> str | None:
+    """PDSERVE_HOST_ID names this host for the KV transports' same-host check (unset: the kernel's
+    boot id). Set it per Ray node to make two nodes of one machine count as two hosts, as a test of
+    a multi-node cluster does: KV between them then leaves over the network, as between machines."""
+    return os.environ.get("PDSERVE_HOST_ID") or None
+
+
 def core_lock_dir() -> Path:
     """Where replicas lock the CPU cores they own, one file per core (PDSERVE_CORE_LOCK_DIR, else
     /dev/shm/pdserve-cores, host-wide: two clusters on one host do not share cores either)."""

@@ -33,6 +33,7 @@ from common.outputs import RequestMetrics, RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
 from common.tracing import setup_tracing
+from decode_pool.kv_address import resolve_node_address
 from decode_pool.prefill_site import LocalState, PrefillSite, choose_prefill_site
 from decode_pool.stream_interval import every_n_tokens
 from engine.executor import WorkerLauncher
@@ -93,7 +94,7 @@ class DecodeServer(EngineReplica):
         stream_interval: int = 1,
         tracing: tuple[str, str | None] = ("none", None),
     ) -> None:
-        config = EngineConfig.from_dict(engine_config)
+        config = EngineConfig.from_dict(resolve_node_address(engine_config))
         setup_tracing(tracing[0], f"pdserve-{config.scheduler.role.value}", tracing[1])
         limit = config.scheduler.max_num_waiting
         engine, claim = start_replica_engine(config, launcher, cores, max_waiting_for_room=limit)

@@ -131,6 +131,7 @@ _BACKENDS = {
     "grpc": "kv_transfer.backends.grpc_backend:GrpcTransport",
     "torch": "kv_transfer.backends.torch_dist:TorchDistTransport",
     "tcp": "kv_transfer.backends.tcp:TcpTransport",
+    "auto": "kv_transfer.backends.auto:AutoTransport",  # shm on this host, tcp elsewhere
 }
 
 
@@ -150,9 +151,12 @@ _DIALED_BY_HOST = ("tcp", "grpc", "torch")  # the backends whose endpoints are h
 
 def advertised(endpoint: str, host: str | None) -> str:
     """``endpoint`` as peers on other hosts dial it: its port on ``host`` (the address the receiver
-    is reachable at, when it binds every interface or sits behind NAT). Endpoints without a host
-    (``shm``, ``inproc``) and ``host=None`` leave it as it is."""
+    is reachable at, when it binds every interface or sits behind NAT); an ``auto`` endpoint's
+    tcp half. Endpoints without a host (``shm``, ``inproc``) and ``host=None`` leave it as it is."""
     scheme, _, rest = endpoint.partition("://")
+    if host is not None and scheme == "auto":  # its tcp half is dialed by host
+        local, _, network = rest.partition("|")
+        return f"auto://{local}|{advertised(network, host)}"
     if host is None or scheme not in _DIALED_BY_HOST:
         return endpoint
     _, _, port = rest.rpartition(":")

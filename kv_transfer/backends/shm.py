@@ -38,6 +38,7 @@ from collections import deque
 import msgpack
 import torch
 
+from common import env
 from common.openmp import run_tensor_ops_serially
 from common.shared_memory import (
     SharedRegion,
@@ -53,9 +54,12 @@ logger = logging.getLogger(__name__)
 
 
 def _host_id() -> str:
-    """This host's identity for shm endpoints: the kernel's boot id (two containers of one kernel
-    share it, and /dev/shm may not be shared between them: the connect then fails plainly), else
-    the host name."""
+    """This host's identity for shm endpoints: PDSERVE_HOST_ID if set, else the kernel's boot id
+    (two containers of one kernel share it, and /dev/shm may not be shared between them: the
+    connect then fails plainly), else the host name."""
+    configured = env.host_id()
+    if configured:
+        return configured
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()

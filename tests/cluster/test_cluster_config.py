@@ -30,7 +30,7 @@ def test_defaults():
     assert config == ClusterConfig()
     assert config.mode == "auto"  # decided at deploy (cluster.app.with_resolved_mode); disaggregated till then
     assert config.disaggregated and config.pools() == ["prefill", "decode"]
-    assert config.transport == "shm"
+    assert config.transport == "auto"  # shm on one host, tcp across hosts, per hand-off
     assert config.port == 8000
     assert config.kv_cache_memory is None  # resolved from the host's free memory at deploy (cluster.app)
     assert config.prefill == PoolConfig(replicas=1, tensor_parallel_size=1, max_num_waiting=256)
@@ -141,7 +141,7 @@ def test_wrong_types_name_the_key(tmp_path, text, match):
     [
         ({"mode": "split"}, r"mode='split' is not supported; use one of auto, disagg, colocated"),
         ({"transport": "inproc"}, r"transport='inproc' cannot cross processes"),
-        ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of shm, grpc, torch, tcp"),
+        ({"transport": "rdma"}, r"transport='rdma' is not supported; use one of auto, shm, grpc, torch, tcp"),
         ({"kv_integrity": "sha1"}, r"kv_integrity='sha1' is not supported; use one of none, crc32, mac"),
         ({"dtype": "float64"}, r"dtype='float64' is not supported"),
         ({"device": "tpu"}, r"device='tpu' is not supported"),
@@ -228,7 +228,12 @@ def test_engine_config_disagg():
 
 @pytest.mark.parametrize(
     ("mode", "transport", "shared_pools"),
-    [("disagg", "shm", {"prefill"}), ("disagg", "grpc", set()), ("colocated", "shm", set())],
+    [
+        ("disagg", "shm", {"prefill"}),
+        ("disagg", "auto", {"prefill"}),
+        ("disagg", "grpc", set()),
+        ("colocated", "shm", set()),
+    ],
 )
 def test_only_a_prefill_pool_sending_over_shm_shares_its_cache(mode, transport, shared_pools):
     # Decode replicas read such a cache in place; nothing else needs its cache in shared memory.
@@ -436,3 +441,30 @@ def test_the_kv_integrity_modes_are_the_protocol_s():
     from kv_transfer.protocol import INTEGRITY_MODES
 
     assert KV_INTEGRITY == INTEGRITY_MODES
+
+
+def test_a_pool_s_ray_resources_go_into_every_shard_s_bundle_and_bad_ones_are_refused():
+    from cluster.app import _pool_deployment
+
+    config = load_cluster_config(
+        overrides={"mode": "disagg", "decode.tensor_parallel_size": 2, "decode.ray_resources": {"decode_node": 1}}
+    )
+    assert config.decode.ray_resources == {"decode_node": 1} and config.prefill.ray_resources is None
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+    deployment = _pool_deployment(config, "decode", "/nonexistent/model")._bound_deployment
+    bundles = deployment._replica_config.placement_group_bundles
+    assert bundles == [{"CPU": 1.0, "decode_node": 1}] * 2
+    prefill = _pool_deployment(config, "prefill", "/nonexistent/model")._bound_deployment
+    assert prefill._replica_config.placement_group_bundles == [{"CPU": 1.0}]
+    for bad in ({"CPU": 2}, {"node": 0}, {"node": "one"}, ["node"], {"": 1}):
+        with pytest.raises(ConfigError, match="ray_resources"):
+            load_cluster_config(overrides={"prefill.ray_resources": bad})
+
+
+def test_kv_host_node_is_accepted_for_every_transport_and_reaches_the_connector():
+    for transport in ("auto", "tcp", "grpc", "torch"):
+        config = load_cluster_config(overrides={"mode": "disagg", "transport": transport, "kv_host": "node"})
+        assert config.engine_config("decode").kv_connector.options["host"] == "node"
+    # torch binds what senders dial: "node" as the advertised address of a loopback bind is refused.
+    with pytest.raises(ConfigError, match="transport=torch"):
+        load_cluster_config(overrides={"transport": "torch", "kv_advertise_host": "node"})

@@ -78,3 +78,48 @@ def test_the_cluster_config_carries_the_kv_hosts_to_the_decode_connector():
         with pytest.raises(ConfigError, match="transport=torch binds the address senders dial"):
             load_cluster_config(None, {"transport": "torch", **hosts})
     assert load_cluster_config(None, {"transport": "torch", "kv_host": "10.0.0.7"}).kv_host == "10.0.0.7"
+
+
+@pytest.mark.parametrize(("shared", "sender_host"), [(True, None), (False, None), (False, "another-boot-id")])
+def test_auto_sends_over_shm_to_a_receiver_on_this_host_and_over_tcp_to_one_elsewhere(shared, sender_host):
+    from kv_transfer import TransferState, make_ticket
+    from kv_transfer.backends.auto import AutoTransport, split_endpoint
+    from kv_transfer.sender import KVSender
+    from tests.kv_transfer.harness import assert_bit_exact, wait_terminal
+
+    served, sending = AutoTransport(), AutoTransport(host_id=sender_host)
+    src, full = make_side(1, fill=True, shared=shared)
+    dst, _ = make_side(1, fill=False)
+    receiver = KVReceiver(dst.caches[0], dst.layouts[0], "auto")
+    sender = KVSender(src.layouts[0], "m", sending)
+    try:
+        endpoint = served.serve(receiver)
+        local, network = split_endpoint(endpoint)
+        assert local == f"{local.partition('?')[0]}?host={HOST_ID}" and network.startswith("tcp://127.0.0.1:")
+        assert sending.is_local(endpoint) is (sender_host is None)
+        ticket = make_ticket("req-1", "auto", [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30.0)
+        receiver.expect(ticket)
+        sender.start(ticket, [7, 8, 9, 10])
+        for layer in range(dst.layouts[0].num_layers):
+            sender.send_layer("req-1", layer, src.caches[0][layer])
+        sender.finish("req-1", 5)
+        rx, tx = wait_terminal([lambda: receiver.poll("req-1"), lambda: sender.poll("req-1")])
+        assert rx.state is TransferState.DONE and tx.state is TransferState.DONE, (rx, tx)
+        assert_bit_exact(full, dst, [7, 8, 9, 10], ticket.block_ids, ticket.num_blocks)
+        # Which way the chunks went: over the network only for a sender on another host.
+        assert served.network.num_connections() == (0 if sender_host is None else 1)
+    finally:
+        sender.close()
+        sending.shutdown()
+        served.shutdown()
+
+
+def test_an_auto_endpoint_is_advertised_by_its_tcp_half_and_a_malformed_one_refused():
+    from kv_transfer.backends.auto import AutoTransport
+
+    endpoint = "auto://shm:///tmp/pdserve-kv-x/recv.sock?host=abc|tcp://0.0.0.0:5000"
+    assert advertised(endpoint, "10.0.0.7") == "auto://shm:///tmp/pdserve-kv-x/recv.sock?host=abc|tcp://10.0.0.7:5000"
+    assert advertised(endpoint, None) == endpoint
+    for bad in ("tcp://127.0.0.1:5000", "auto://tcp://127.0.0.1:5000", "auto://shm:///x?host=abc"):
+        with pytest.raises(ValueError, match="not an auto endpoint"):
+            AutoTransport().connect(bad)

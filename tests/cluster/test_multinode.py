@@ -1,0 +1,130 @@
+"""Pools on two nodes of a Ray cluster: a head and a worker raylet started by `ray start` on this
+machine, each with its own CPUs, a custom resource that pins one pool to it, and a host id of its
+own (PDSERVE_HOST_ID), so that KV between them must leave over the network as between machines.
+`pdserve serve --address` joins that cluster; greedy output equals transformers'."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.cluster.serving import MODEL, free_port, post
+from tests.conftest import PROMPTS
+
+_RAY = str(Path(sys.executable).with_name("ray"))
+# `ray start --head` turns token authentication on (Ray 2.60); every process that joins the
+# cluster, the worker raylet and pdserve's driver, must then present the token it wrote.
+_TOKEN_AUTH = {"RAY_AUTH_MODE": "token"}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _stop_nodes(temp_dir: str) -> None:
+    """Kill this test's raylets and their workers only: `ray stop` would take every Ray on the
+    machine, the other tests' local cluster included. Their command lines name the temp dir."""
+    out = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout
+    for pid in (int(p) for p in out.split()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    # A short temp dir: Ray's socket paths must fit in 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="pdn-", dir="/tmp")
+    port = free_port()
+    # Both nodes on loopback: the head's GCS and the KV endpoints ("node" addresses) bind there.
+    common = ["--num-cpus=2", "--node-ip-address=127.0.0.1", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    try:
+        for host_id, extra in (
+            ("node-a", ["--head", f"--port={port}", "--include-dashboard=false", "--resources", '{"node_a": 4}']),
+            ("node-b", [f"--address=127.0.0.1:{port}", "--resources", '{"node_b": 4}']),
+        ):
+            env = {**os.environ, **_TOKEN_AUTH, "PDSERVE_HOST_ID": host_id}
+            started = subprocess.run(
+                [_RAY, "start", *extra, *common], env=env, capture_output=True, text=True, timeout=180
+            )
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_nodes(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pools_on_two_nodes_hand_off_kv_over_the_network_and_match_transformers(
+    two_nodes, tmp_path, smol_dir, hf_smol, hf_reference
+):
+    port = free_port()
+    env = {**os.environ, **_TOKEN_AUTH, "PDSERVE_STATE_FILE": str(tmp_path / "state.json")}
+    env.pop("PDSERVE_HOST_ID", None)
+    command = [
+        sys.executable, "-m", "cluster.cli", "serve", "--address", two_nodes, "--port", str(port),
+        "--mode", "disagg", "--dtype", "float32", "--kv-cache-memory", str(32 * 2**20),
+        "--transport", "auto", "--kv-host", "node",
+        "--set", "prefill.ray_resources={node_a: 1}", "--set", "decode.ray_resources={node_b: 1}",
+        "--set", "router.conditional_disaggregation=false", "--set", "kv_integrity=mac",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert process.poll() is None, "".join(lines[-30:])
+        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+
+        deadline = time.monotonic() + 60
+        while True:  # until both replicas' first load reports (with their pids) reached the router
+            status = subprocess.run(
+                [sys.executable, "-m", "cluster.cli", "status", "--json", "--url", url],
+                env=env, capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert status.returncode == 0, status.stderr
+            pools = json.loads(status.stdout)["pools"]
+            reports = pools.get("prefill", []) + pools.get("decode", [])
+            if len(reports) == 2 and all(report["pid"] for report in reports):
+                break
+            assert time.monotonic() < deadline, status.stdout
+            time.sleep(1)
+        # Each pool on its own node: the replica's process carries its raylet's host id.
+        (prefill,), (decode,) = pools["prefill"], pools["decode"]
+        assert _environ(prefill["pid"]).get("PDSERVE_HOST_ID") == "node-a"
+        assert _environ(decode["pid"]).get("PDSERVE_HOST_ID") == "node-b"
+
+        tokenizer = AutoTokenizer.from_pretrained(str(smol_dir))
+        for prompt in PROMPTS[:3]:
+            request = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            code, _, body = post(url + "/v1/completions", request)
+            assert code == 200, body
+            want = tokenizer.decode(hf_reference(hf_smol, tokenizer.encode(prompt), 8), skip_special_tokens=True)
+            assert body["choices"][0]["text"] == want, prompt
+        metrics = subprocess.run(["curl", "-s", url + "/metrics"], capture_output=True, text=True, timeout=30).stdout
+        failures = [line for line in metrics.splitlines() if line.startswith("pdserve:kv_transfer_failures")]
+        assert failures and all(line.endswith(" 0.0") or line.endswith(" 0") for line in failures), failures
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert returncode == 0
