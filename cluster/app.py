@@ -157,12 +157,16 @@ AUTO_MIN_CORES_PER_POOL = 2
 def with_resolved_mode(config: ClusterConfig, num_host_cores: int | None = None) -> ClusterConfig:
     """``mode: auto`` decided once: colocated on a local CPU host too small to give each pool
     AUTO_MIN_CORES_PER_POOL cores, unless the configuration sets the prefill or decode pool (or turns
-    conditional disaggregation off: a choice only a disaggregated cluster has); disaggregated
-    everywhere else (CUDA, a joined Ray cluster, a larger host). Logged with its reason."""
+    conditional disaggregation off, or the SLO planner on: choices only a disaggregated cluster
+    has); disaggregated everywhere else (CUDA, a joined Ray cluster, a larger host). Logged with
+    its reason."""
     if config.mode != "auto":
         return config
     asks_disagg = (
-        config.prefill != PoolConfig() or config.decode != PoolConfig() or not config.router.conditional_disaggregation
+        config.prefill != PoolConfig()
+        or config.decode != PoolConfig()
+        or not config.router.conditional_disaggregation
+        or config.planner.enabled
     )
     asks_colocated = config.colocated != PoolConfig()
     local_cpu = not config.ray_address and pick_device(config.device).type == "cpu"
@@ -393,9 +397,15 @@ def build_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: 
     }
     # The pool handles are bound by deployment name, so the scalar arguments fix the version (the
     # scaler, a function of this module, is the same in every version).
-    version = _version(RouterServer, (config.pools(), router_args), router_options)
+    # The planner's settings and each pool's shards per replica: neither moves with a resize, so
+    # the router (the planner itself) stays through the resizes it asks for.
+    planner = {
+        "planner": dataclasses.asdict(config.planner),
+        "pool_shards": {pool: config.pool(pool).tensor_parallel_size for pool in config.pools()},
+    }
+    version = _version(RouterServer, (config.pools(), router_args, planner), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
-    return router.bind(decode, prefill, *router_args, scaler=scaling.scale)
+    return router.bind(decode, prefill, *router_args, scaler=scaling.scale, **planner)
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:

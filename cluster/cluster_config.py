@@ -28,6 +28,7 @@ from common.config import (
 )
 from common.errors import ConfigError
 from common.tracing import check_tracing
+from router.planner import PlannerConfig
 
 MODES = ("auto", "disagg", "colocated")
 # kv_transfer backends that cross process boundaries ("inproc" does not); auto: shm between
@@ -205,10 +206,15 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     colocated: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    # The SLO planner (router/planner.py): sizes the prefill and decode pools together from the SLO
+    # attainment the router sees and the replicas' queues; off by default.
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r} is not supported; use one of {', '.join(MODES)}")
+        if self.planner.enabled and self.mode == "colocated":
+            raise ConfigError("planner.enabled sizes a prefill and a decode pool: use mode disagg (or auto)")
         if self.transport == "inproc":
             raise ConfigError(f"transport='inproc' cannot cross processes; use one of {', '.join(TRANSPORTS)}")
         if self.transport not in TRANSPORTS:

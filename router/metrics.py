@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from common.serving import PrefillResult, TTFTBreakdown
+from router.planner import SLOWindow
 
 _WINDOW = 1024  # recent samples kept per series (bounded)
 # vLLM's buckets, so that dashboards and recording rules carry over.
@@ -129,6 +130,7 @@ class RouterMetrics:
             r.register(ReplicaReportCollector(reports))
         self.recent: dict[str, deque[float]] = {name: deque(maxlen=_WINDOW) for name in ("ttft", "tpot", "e2e")}
         self.outcomes: Tally[str] = Tally()
+        self.slo_window: SLOWindow | None = None  # the SLO planner's, when it runs (router.planner_loop)
 
     # --- a request's life at the router ----------------------------------------------------
     def request_started(self) -> None:
@@ -200,23 +202,31 @@ class RouterMetrics:
         self.outcomes[outcome] += 1
         if outcome != "ok":
             self._failure.labels(self.model_name, outcome).inc()
+            if self.slo_window is not None and outcome == "error":  # a client that left is nobody's miss
+                self.slo_window.request_ended(False)
             return
         self._success.labels(self.model_name, finish_reason or "stop").inc()
         now = time.monotonic()
         self._e2e.observe(now - started)
         self.recent["e2e"].append(now - started)
+        tpot = None
         if first_token_time is not None:
             self._decode.observe(now - first_token_time)
             if num_tokens > 1:
                 tpot = (now - first_token_time) / (num_tokens - 1)
                 self._tpot.observe(tpot)
                 self.recent["tpot"].append(tpot)
+        if self.slo_window is not None:
+            ttft = first_token_time - started if first_token_time is not None else None
+            self.slo_window.request_ended(True, ttft, tpot)
 
     def request_failed(self, status: int) -> None:
         """Refused or failed before reaching a token: the HTTP status the client got."""
         outcome = f"http_{status}"
         self._failure.labels(self.model_name, outcome).inc()
         self.outcomes[outcome] += 1
+        if self.slo_window is not None and status >= 500:  # refused for want of room: a miss of both SLOs
+            self.slo_window.request_ended(False)
 
     # --- reading -----------------------------------------------------------------------------
     def exposition(self) -> tuple[bytes, str]:

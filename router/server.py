@@ -36,6 +36,8 @@ from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorize
 from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, is_backpressure
+from router.planner import PlannerConfig
+from router.planner_loop import PlannerLoop
 from router.protocol import ApiError, ParsedRequest
 from router.remote_prefill import RemotePrefillEstimator
 
@@ -257,7 +259,11 @@ class RouterServer:
         conditional_disaggregation: bool = False,
         keyring: KeyRing | None = None,
         scaler: Callable[[dict[str, int], KeyRing, str], dict[str, int]] | None = None,
+        planner: dict | None = None,
+        pool_shards: dict[str, int] | None = None,
     ) -> None:
+        """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
+        ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
         from transformers import AutoTokenizer
 
         setup_tracing(tracing[0], "pdserve-router", tracing[1])
@@ -303,6 +309,18 @@ class RouterServer:
         self.model_dir = model_dir
         self._resize: asyncio.Future | None = None  # the resize running in a thread, if any
         self.created = int(time.time())
+        self.planner: PlannerLoop | None = None
+        planner_config = PlannerConfig(**planner) if planner else None
+        if planner_config is not None and planner_config.enabled:
+            if prefill is None or scaler is None:
+                logger.warning("the SLO planner sizes a prefill and a decode pool; this router has none: it is off")
+            else:
+                self.planner = PlannerLoop(
+                    planner_config, pool_shards or {}, latest_reports, self._resize_pools, self.metrics.registry
+                )
+                self.metrics.slo_window = self.planner.window
+                self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
+                logger.info("SLO planner on: %s", planner_config)
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
             self._app(),
@@ -403,6 +421,7 @@ class RouterServer:
             "metrics": self.metrics.snapshot(),
             "retries": self.orchestrator.num_retries,
             "resumes": self.orchestrator.num_resumes,
+            "planner": self.planner.status() if self.planner is not None else None,
         }
 
     async def scale(self, request: Request) -> Any:
@@ -418,13 +437,7 @@ class RouterServer:
             body = protocol.decode_body(await _read_body(request, 4096))
             if not isinstance(body, dict) or not body or not all(isinstance(k, str) for k in body):
                 raise InvalidRequestError('write the pools to resize as {"decode": 2, "prefill": 1}')
-            if self.scaler is None:
-                raise InvalidRequestError("this router was started without a scaler (not by cluster.app)")
-            if self._resize is not None and not self._resize.done():
-                raise protocol.ApiError(409, "another resize is running; retry when it is done", code="conflict")
-            resize = asyncio.get_running_loop().run_in_executor(None, self.scaler, body, self.keyring, self.model_dir)
-            self._resize = resize
-            replicas = await asyncio.shield(resize)  # a thread cannot be cancelled: it runs to its end
+            replicas = await self._resize_pools(body)
         except ConfigError as exc:  # a pool the mode does not have, a count below 1, too few CPUs
             return _error_response(protocol.api_error_from_exception(InvalidRequestError(str(exc))))
         except (protocol.ApiError, InvalidRequestError) as exc:
@@ -434,6 +447,16 @@ class RouterServer:
             return _error_response(protocol.ApiError(500, f"the resize failed: {exc}", type="server_error"))
         logger.info("pools resized: %s", replicas)
         return {"replicas": replicas}
+
+    async def _resize_pools(self, counts: dict[str, int]) -> dict[str, int]:
+        """Every pool's count once Serve runs ``counts`` (the admin's resize, or the planner's)."""
+        if self.scaler is None:
+            raise InvalidRequestError("this router was started without a scaler (not by cluster.app)")
+        if self._resize is not None and not self._resize.done():
+            raise protocol.ApiError(409, "another resize is running; retry when it is done", code="conflict")
+        resize = asyncio.get_running_loop().run_in_executor(None, self.scaler, counts, self.keyring, self.model_dir)
+        self._resize = resize
+        return await asyncio.shield(resize)  # a thread cannot be cancelled: it runs to its end
 
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

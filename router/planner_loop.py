@@ -1,0 +1,87 @@
+"""The SLO planner at work in the router: every interval, observe both pools, plan, resize, say why.
+
+The router sees what the planner needs: every request's TTFT and TPOT (``SLOWindow``, fed by
+``RouterMetrics``) and every replica's latest report (queued prompt tokens, reservations waiting
+for KV blocks, KV usage). A resize goes through the same path as ``POST /pdserve/scale`` (one at a
+time; Serve adds replicas, or drains the ones that leave). Each decision is logged with its reason
+and counted (``pdserve:planner_decisions_total{pool,direction}``), and each pool's target is a
+gauge (``pdserve:planner_target_replicas{pool}``), beside the replica counts a dashboard already has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from router.planner import POOLS, Decision, Observation, PlannerConfig, PlannerState, SLOWindow, plan, pool_state
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerLoop:
+    def __init__(
+        self,
+        config: PlannerConfig,
+        shards_per_replica: dict[str, int],
+        reports: Callable[[], dict[str, list[dict]]],
+        resize: Callable[[dict[str, int]], Awaitable[dict[str, int]]],
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.shards_per_replica = shards_per_replica
+        self.reports = reports
+        self.resize = resize
+        self.clock = clock
+        self.window = SLOWindow(config.ttft_slo_s, config.tpot_slo_s)
+        self.state = PlannerState()
+        self.last: dict[str, Decision] = {}
+        self._target = Gauge(
+            "pdserve:planner_target_replicas",
+            "The SLO planner's replica count for each pool.",
+            ("pool",),
+            registry=registry,
+        )
+        self._decisions = Counter(
+            "pdserve:planner_decisions", "The SLO planner's resizes, by pool and direction.", ("pool", "direction"),
+            registry=registry,
+        )  # fmt: skip
+
+    async def tick(self) -> dict[str, Decision] | None:
+        """One interval: the decisions (None while a pool has not reported yet)."""
+        reports = self.reports()
+        if not all(reports.get(pool) for pool in POOLS):
+            return None
+        ttft, tpot = self.window.take(self.config.min_samples)
+        pools = {pool: pool_state(reports[pool], self.shards_per_replica.get(pool, 1)) for pool in POOLS}
+        decisions = plan(Observation(self.clock(), ttft, tpot, pools), self.config, self.state)
+        changes = {pool: d.target for pool, d in decisions.items() if d.direction != "hold"}
+        for decision in decisions.values():
+            self._target.labels(decision.pool).set(decision.target)
+            if decision.direction != "hold":
+                self._decisions.labels(decision.pool, decision.direction).inc()
+                logger.info(
+                    "planner: %s %d -> %d: %s", decision.pool, decision.current, decision.target, decision.reason
+                )
+        self.last = decisions
+        if changes:
+            try:
+                await self.resize(changes)
+            except Exception as exc:  # the next interval sees the counts that are, and decides again
+                logger.warning("planner: the resize to %s failed: %s", changes, exc)
+        return decisions
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # a bad report must not end the loop
+                logger.exception("planner: an interval failed")
+
+    def status(self) -> dict:
+        return {pool: {"current": d.current, "target": d.target, "reason": d.reason} for pool, d in self.last.items()}
