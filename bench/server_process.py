@@ -44,12 +44,15 @@ class ServerProcess:
             self.process.wait(10)
 
 
-def start_server(serve_args: list[str], timeout_s: float = 600.0, port: int | None = None) -> ServerProcess:
+def start_server(
+    serve_args: list[str], timeout_s: float = 600.0, port: int | None = None, env: dict[str, str | None] | None = None
+) -> ServerProcess:
     """``pdserve serve <serve_args>`` on ``port`` (default: a free one); returns once it prints
-    that it is ready."""
+    that it is ready. ``env``: variables to set in its environment (None: to unset)."""
     port = port or free_port()
     state = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "cluster.json"
-    env = {**os.environ, "PDSERVE_STATE_FILE": str(state)}
+    changes = {"PDSERVE_STATE_FILE": str(state), **(env or {})}
+    env = {name: value for name, value in {**os.environ, **changes}.items() if value is not None}
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *serve_args]
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

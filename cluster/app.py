@@ -241,6 +241,12 @@ def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None
             changes[pool] = dataclasses.replace(spec, cores=cores)
     config = dataclasses.replace(config, **changes)
     check_cores(config, total)
+    if config.planner.enabled and config.planner.budget is None:
+        # The planner's budget is the host's cores: a replica it adds beyond them would only share
+        # the cores of the others, and start its engine on them mid-burst (bench.planner_replay
+        # measured a planner with a budget past the host's two cores lose a third of its attainment).
+        config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, budget=total))
+        logger.info("planner: its budget is this host's %d cores", total)
     return config
 
 
@@ -401,7 +407,11 @@ def build_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: 
     # the router (the planner itself) stays through the resizes it asks for.
     planner = {
         "planner": dataclasses.asdict(config.planner),
-        "pool_shards": {pool: config.pool(pool).tensor_parallel_size for pool in config.pools()},
+        # What a replica costs of the planner's budget: the cores it owns (a local CPU cluster),
+        # else its shards (GPUs on CUDA).
+        "pool_shards": {
+            pool: config.pool(pool).cores or config.pool(pool).tensor_parallel_size for pool in config.pools()
+        },
     }
     version = _version(RouterServer, (config.pools(), router_args, planner), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)

@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_subcommands(sub)
 
+    # Listed here for --help; main() hands its arguments to bench.plan as they are (its own options).
+    sub.add_parser(
+        "plan",
+        help="propose a starting configuration (pools, TP, replicas) from a latency model and a workload, "
+        "written as a config file for `pdserve serve --config` (`pdserve plan --help`)",
+        add_help=False,
+    )
+
     bench = sub.add_parser(
         "bench",
         help="experiments: goodput (real clusters), profile (fit a latency model), plan (placement search), "
@@ -107,6 +115,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=env.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        import bench.plan
+
+        bench.plan.main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     from common.errors import PdserveError
 

@@ -43,7 +43,9 @@ class PlannerConfig:
     min_samples: int = 5  # requests an interval needs before its attainment counts
     min_replicas: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     max_replicas: dict[str, int] = field(default_factory=lambda: {"prefill": 4, "decode": 4})
-    budget: int | None = None  # shards of both pools together (cores on CPU, GPUs on CUDA); None: no cap
+    # Both pools together: cores on a local CPU cluster (a replica counts the cores it owns; None:
+    # the host's), else shards (a replica is tensor_parallel_size of them: GPUs on CUDA; None: no cap).
+    budget: int | None = None
     kv_high: float = 0.85
     kv_low: float = 0.5
     up_after: int = 1

@@ -6,13 +6,15 @@ A receiver is served on both backends at once, and its endpoint names both:
     auto://<shm endpoint, with its host id>|<tcp endpoint>
 
 Each sender compares the shm endpoint's host id with its own (``shm.HOST_ID``: the kernel's boot
-id, or PDSERVE_HOST_ID) and connects over shm when they match, over TCP when they do not. So a
+id, or PDSERVE_HOST_ID) and connects over shm when they match and the receiver's socket is in
+sight (two containers of one kernel share the boot id but not their files), over TCP otherwise. So a
 decode replica's ticket serves every prefill replica, on its node or not, and ``shm`` is chosen
 only where it can work. Both backends land chunks in the same ``KVReceiver``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from kv_transfer.transport import KVChannel, KVTransport, get_transport
@@ -76,9 +78,11 @@ class AutoTransport(KVTransport):
         return self.network.connect(network)
 
     def is_local(self, endpoint: str) -> bool:
-        """Whether a sender here reaches ``endpoint``'s receiver over shared memory."""
+        """Whether a sender here reaches ``endpoint``'s receiver over shared memory: the same host,
+        and its socket in sight (two containers of one kernel share the boot id, not their files)."""
         local, _ = split_endpoint(endpoint)
-        return local.partition("?host=")[2] == self.host_id
+        path, _, host = local.removeprefix("shm://").partition("?host=")
+        return host == self.host_id and os.path.exists(path)
 
     def shutdown(self) -> None:
         for transport in (self._local, self._network):

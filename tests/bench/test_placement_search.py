@@ -110,3 +110,16 @@ def test_search_uses_only_the_tp_degrees_a_profile_has():
         search_placement(model, chatbot, SLO(1.0, 0.05), gpu_budget=3, tp_options=(2, 4))
     with pytest.raises(ValueError, match="gpu_budget=0"):
         search_placement(model, chatbot, SLO(1.0, 0.05), gpu_budget=0)
+
+
+def test_pdserve_plan_writes_a_config_that_pdserve_serve_loads(tmp_path):
+    from cluster.cli import main
+    from cluster.cluster_config import load_cluster_config
+
+    out = tmp_path / "plan.yaml"
+    assert (
+        main(["plan", "--model", "opt-13b", "--gpus", "4", "--tp", "1,2", "--num-requests", "60", "--out", str(out)])
+        == 0
+    )
+    config = load_cluster_config(out)  # what `pdserve serve --config` reads
+    assert config.num_shards <= 4 and config.mode in ("disagg", "colocated")

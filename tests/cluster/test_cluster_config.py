@@ -468,3 +468,17 @@ def test_kv_host_node_is_accepted_for_every_transport_and_reaches_the_connector(
     # torch binds what senders dial: "node" as the advertised address of a loopback bind is refused.
     with pytest.raises(ConfigError, match="transport=torch"):
         load_cluster_config(overrides={"transport": "torch", "kv_advertise_host": "node"})
+
+
+def test_the_planner_s_budget_on_a_local_cpu_cluster_is_the_host_s_cores_and_each_replica_costs_its_own():
+    from cluster.app import build_app, with_resolved_cores
+
+    config = load_cluster_config(overrides={"mode": "disagg", "planner.enabled": True, "device": "cpu"})
+    resolved = with_resolved_cores(config, num_host_cores=6)
+    assert resolved.planner.budget == 6 and (resolved.prefill.cores, resolved.decode.cores) == (3, 3)
+    given = with_resolved_cores(load_cluster_config(overrides={"planner.enabled": True, "planner.budget": 4}), 6)
+    assert given.planner.budget == 4  # a budget set is kept
+    kwargs = build_app(resolved, model_dir="/nonexistent/model")._bound_deployment._replica_config.init_kwargs
+    assert kwargs["pool_shards"] == {"prefill": 3, "decode": 3} and kwargs["planner"]["budget"] == 6
+    with pytest.raises(ConfigError, match=r"planner\.enabled"):
+        load_cluster_config(overrides={"mode": "colocated", "planner.enabled": True})

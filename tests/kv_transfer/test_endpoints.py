@@ -117,6 +117,10 @@ def test_auto_sends_over_shm_to_a_receiver_on_this_host_and_over_tcp_to_one_else
 def test_an_auto_endpoint_is_advertised_by_its_tcp_half_and_a_malformed_one_refused():
     from kv_transfer.backends.auto import AutoTransport
 
+    # This host's id but a socket out of sight (a container beside this one): over the network.
+    unseen = f"auto://shm:///nonexistent/pdserve-kv-x/recv.sock?host={HOST_ID}|tcp://127.0.0.1:5000"
+    assert not AutoTransport().is_local(unseen)
+
     endpoint = "auto://shm:///tmp/pdserve-kv-x/recv.sock?host=abc|tcp://0.0.0.0:5000"
     assert advertised(endpoint, "10.0.0.7") == "auto://shm:///tmp/pdserve-kv-x/recv.sock?host=abc|tcp://10.0.0.7:5000"
     assert advertised(endpoint, None) == endpoint
