@@ -237,7 +237,11 @@ def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None
     for pool, share in shares.items():
         spec = config.pool(pool)
         if spec.cores is None:
-            cores = max(share // spec.replicas, spec.tensor_parallel_size, 1)
+            # With the planner on, a pool's share is cut for the most replicas it may run, so that
+            # the ones it adds have cores of their own to run on.
+            planned = config.planner.enabled and pool in config.planner.max_replicas
+            most = config.planner.max_replicas[pool] if planned else spec.replicas
+            cores = max(share // max(most, spec.replicas), spec.tensor_parallel_size, 1)
             changes[pool] = dataclasses.replace(spec, cores=cores)
     config = dataclasses.replace(config, **changes)
     check_cores(config, total)
@@ -435,15 +439,25 @@ def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
 _CONFIG_KEY = b"pdserve/cluster_config"
 
 
-def run_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: str | None = None) -> None:
+def run_app(
+    config: ClusterConfig, keyring: KeyRing | None = None, model_dir: str | None = None, wait_s: float | None = None
+) -> None:
     """Deploy (or redeploy) the app for ``config`` on the running Serve (returns once it runs),
     and record ``config``. A redeploy that changes only replica counts keeps every deployment's
     version (see _version): Serve adds or drains replicas in place; the router and its open
     streams are untouched."""
     from ray.experimental import internal_kv
 
-    serve.run(build_app(config, keyring, model_dir), name=APP_NAME, route_prefix=None, blocking=False)
+    app = build_app(config, keyring, model_dir)
+    if wait_s is None:
+        serve.run(app, name=APP_NAME, route_prefix=None, blocking=False)
+    else:  # Serve's own wait has no end: a replica it cannot place would hold the caller forever
+        serve._run(app, name=APP_NAME, route_prefix=None, _blocking=False)
     internal_kv._internal_kv_put(_CONFIG_KEY, json.dumps(config.to_dict()), namespace=APP_NAME)
+    if wait_s is not None:  # what serve.run's wait does, bounded (TimeoutError past it)
+        from ray.serve.context import _get_global_client
+
+        _get_global_client()._wait_for_application_running(APP_NAME, timeout_s=int(wait_s))
 
 
 def running_config() -> ClusterConfig:
@@ -462,11 +476,29 @@ def scale_running_app(counts: dict[str, int], keyring: KeyRing, model_dir: str) 
     POST /pdserve/scale calls (cluster.scaling, in a thread: Serve's deploy blocks until it runs),
     with the running router's keyring and model directory."""
     config = scaled(running_config(), counts)
-    needed, available = cpus_needed(config), ray.cluster_resources().get("CPU", 0.0)
-    if needed > available:  # Serve would wait for the CPUs forever, the resize with it
-        raise ConfigError(f"{counts} needs {needed:g} CPUs of Ray's; the cluster has {available:g}")
-    run_app(config, keyring, model_dir)
+    available = ray.cluster_resources()
+    for resource, needed in resources_needed(config).items():
+        if needed > available.get(resource, 0.0):  # Serve would wait for them forever
+            raise ConfigError(
+                f"{counts} needs {needed:g} {resource} of Ray's; the cluster has {available.get(resource, 0):g}"
+            )
+    run_app(config, keyring, model_dir, wait_s=_RESIZE_WAIT_S)
     return {pool: config.pool(pool).replicas for pool in config.pools()}
+
+
+# How long a resize waits for Serve to run the new counts (replicas to start, leaving ones to drain)
+# before it fails: a replica that fits the cluster's totals may still fit no single node.
+_RESIZE_WAIT_S = 600.0
+
+
+def resources_needed(config: ClusterConfig) -> dict[str, float]:
+    """Every Ray resource the pools' placement groups reserve together (CPUs and ray_resources)."""
+    needed: dict[str, float] = {"CPU": cpus_needed(config)}
+    for pool in config.pools():
+        spec = config.pool(pool)
+        for resource, amount in (spec.ray_resources or {}).items():
+            needed[resource] = needed.get(resource, 0.0) + amount * spec.replicas * spec.tensor_parallel_size
+    return needed
 
 
 def scaled(config: ClusterConfig, counts: dict[str, int]) -> ClusterConfig:

@@ -82,13 +82,17 @@ class PoolConfig:
         if self.ray_resources is not None and not (
             isinstance(self.ray_resources, dict)
             and all(
-                isinstance(name, str) and name and name not in ("CPU", "GPU", "memory") and _positive(amount)
+                isinstance(name, str)
+                and name
+                and name not in ("CPU", "GPU", "memory", "object_store_memory")
+                and _positive(amount)
+                and (amount <= 1 or float(amount).is_integer())  # type: ignore[operator]  # Ray's rule
                 for name, amount in self.ray_resources.items()
             )
         ):
             raise ConfigError(
-                f"ray_resources={self.ray_resources!r} must map custom resource names to amounts > 0 "
-                "(CPU and GPU come from cpus_per_shard and the device)"
+                f"ray_resources={self.ray_resources!r} must map custom resource names to amounts > 0, "
+                "whole numbers above 1 (CPU and GPU come from cpus_per_shard and the device)"
             )
         if self.cores is not None and self.cores < self.tensor_parallel_size:
             raise ConfigError(

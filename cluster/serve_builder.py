@@ -33,6 +33,10 @@ def cluster_config(args: Mapping[str, object]) -> ClusterConfig:
             f"dtype='auto' with device='cpu' in {ARGS_SOURCE}: every replica would probe its own; "
             "set dtype to float32 (or bfloat16 on CPUs with AMX)"
         )
+    if config.planner.enabled:
+        # It resizes through the config `pdserve serve` records in the Ray cluster, which a
+        # declarative deploy does not record (and KubeRay would put its own config back).
+        raise ConfigError(f"planner.enabled in {ARGS_SOURCE}: size the pools in the manifest instead")
     return config
 
 

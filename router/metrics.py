@@ -203,7 +203,7 @@ class RouterMetrics:
         if outcome != "ok":
             self._failure.labels(self.model_name, outcome).inc()
             if self.slo_window is not None and outcome == "error":  # a client that left is nobody's miss
-                self.slo_window.request_ended(False)
+                self.slo_window.request_ended(False, prompt_tokens=num_prompt_tokens)
             return
         self._success.labels(self.model_name, finish_reason or "stop").inc()
         now = time.monotonic()
@@ -218,7 +218,7 @@ class RouterMetrics:
                 self.recent["tpot"].append(tpot)
         if self.slo_window is not None:
             ttft = first_token_time - started if first_token_time is not None else None
-            self.slo_window.request_ended(True, ttft, tpot)
+            self.slo_window.request_ended(True, ttft, tpot, num_prompt_tokens)
 
     def request_failed(self, status: int) -> None:
         """Refused or failed before reaching a token: the HTTP status the client got."""

@@ -48,6 +48,9 @@ class PlannerConfig:
     budget: int | None = None
     kv_high: float = 0.85
     kv_low: float = 0.5
+    # Prefill shrinks only while the prompt tokens arriving stay under this share of what one
+    # replica fewer computes (the queue is a snapshot: often empty under a load that needs them all).
+    prefill_low: float = 0.5
     up_after: int = 1
     down_after: int = 6
     cooldown_s: float = 60.0
@@ -56,24 +59,29 @@ class PlannerConfig:
         # A pool left out of min_replicas or max_replicas keeps its default.
         for name, default in (("min_replicas", 1), ("max_replicas", 4)):
             given = getattr(self, name)
-            if not isinstance(given, dict) or not set(given) <= set(POOLS):
-                raise ConfigError(f"planner: {name}={given!r} must map {' and '.join(POOLS)} to replica counts")
+            if (
+                not isinstance(given, dict)
+                or not set(given) <= set(POOLS)
+                or not all(type(count) is int for count in given.values())
+            ):
+                raise ConfigError(f"{name}={given!r} must map {' and '.join(POOLS)} to integer replica counts")
             object.__setattr__(self, name, {pool: given.get(pool, default) for pool in POOLS})
         problems = [
             self.interval_s <= 0 and "interval_s must be > 0",
             not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0) and "the SLOs must be > 0 seconds",
             not 0 < self.target_attainment <= 1 and "target_attainment must be in (0, 1]",
             not 0 < self.kv_low < self.kv_high <= 1 and "need 0 < kv_low < kv_high <= 1",
+            not 0 < self.prefill_low < 1 and "prefill_low must be in (0, 1)",
             (self.up_after < 1 or self.down_after < 1) and "up_after and down_after must be >= 1",
             self.budget is not None and self.budget < 2 and "budget must hold a replica of each pool",
         ]
         for pool in POOLS:
-            low, high = self.min_replicas.get(pool, 1), self.max_replicas.get(pool, 1)
+            low, high = self.min_replicas[pool], self.max_replicas[pool]
             if not 1 <= low <= high:
                 problems.append(f"{pool}: need 1 <= min_replicas ({low}) <= max_replicas ({high})")
         problem = next((p for p in problems if p), None)
         if problem:
-            raise ConfigError(f"planner: {problem}")
+            raise ConfigError(problem)
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ class PoolState:
     prefill_tokens_per_s: float = 0.0  # prefill: one replica's measured rate (0: not yet measured)
     waiting_for_blocks: int = 0  # decode: reservations queued until KV blocks free
     kv_usage: float = 0.0  # decode: the mean share of KV blocks in use
+    prompt_tokens_per_s: float | None = None  # prefill: arriving over the last interval (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -117,40 +126,45 @@ class PlannerState:
     last_change: dict[str, float] = field(default_factory=lambda: dict.fromkeys(POOLS, -math.inf))
 
 
-def _wants(pool: str, seen: PoolState, attainment: float | None, config: PlannerConfig) -> tuple[int, str]:
-    """The replicas the pool's own signals ask for (before bounds and budget), and why."""
+def _wants(pool: str, seen: PoolState, attainment: float | None, config: PlannerConfig) -> tuple[int, str, bool]:
+    """The replicas the pool's own signals ask for (before bounds and budget), why, and whether a
+    queue asks (a burst: it goes first for the budget, before a short attainment)."""
     n = seen.replicas
     missed = attainment is not None and attainment < config.target_attainment
     if pool == "prefill":
-        if seen.queued_prompt_tokens and seen.prefill_tokens_per_s > 0:
+        rate = seen.prefill_tokens_per_s
+        if seen.queued_prompt_tokens and rate > 0:
             # Replicas that compute the queue within the TTFT SLO, each at the measured rate.
-            needed = math.ceil(seen.queued_prompt_tokens / (seen.prefill_tokens_per_s * config.ttft_slo_s))
+            needed = math.ceil(seen.queued_prompt_tokens / (rate * config.ttft_slo_s))
             if needed > n:
-                return needed, f"{seen.queued_prompt_tokens} prompt tokens queued need {needed} replicas"
+                return needed, f"{seen.queued_prompt_tokens} prompt tokens queued need {needed} replicas", True
         if missed:
-            return n + 1, f"TTFT attainment {attainment:.2f} < {config.target_attainment}"
-        if n > 1 and not seen.queued_prompt_tokens and not missed:
-            return n - 1, "nothing queued"
-        return n, "holds"
+            return n + 1, f"TTFT attainment {attainment:.2f} < {config.target_attainment}", False
+        arriving = seen.prompt_tokens_per_s  # None (unknown) or a rate still unmeasured: no shrink
+        light = arriving is not None and arriving < config.prefill_low * rate * (n - 1)
+        if n > 1 and not seen.queued_prompt_tokens and light:
+            return n - 1, f"{arriving:.0f} prompt tokens/s fit in {n - 1} replicas under {config.prefill_low}", False
+        return n, "holds", False
     if seen.waiting_for_blocks:
-        return n + 1, f"{seen.waiting_for_blocks} reservations wait for KV blocks"
+        return n + 1, f"{seen.waiting_for_blocks} reservations wait for KV blocks", True
     if seen.kv_usage > config.kv_high:
-        return n + 1, f"KV usage {seen.kv_usage:.2f} > {config.kv_high}"
+        return n + 1, f"KV usage {seen.kv_usage:.2f} > {config.kv_high}", True
     if missed:
-        return n + 1, f"TPOT attainment {attainment:.2f} < {config.target_attainment}"
+        return n + 1, f"TPOT attainment {attainment:.2f} < {config.target_attainment}", False
     if n > 1 and seen.kv_usage * n / (n - 1) < config.kv_low:
-        return n - 1, f"KV usage {seen.kv_usage:.2f} fits in {n - 1} replicas under {config.kv_low}"
-    return n, "holds"
+        return n - 1, f"KV usage {seen.kv_usage:.2f} fits in {n - 1} replicas under {config.kv_low}", False
+    return n, "holds", False
 
 
 def plan(observation: Observation, config: PlannerConfig, state: PlannerState) -> dict[str, Decision]:
     """Each pool's target replica count for ``observation``; updates ``state``."""
     attainment = {"prefill": observation.ttft_attainment, "decode": observation.tpot_attainment}
     wanted: dict[str, tuple[int, str]] = {}
+    queued: dict[str, bool] = {}
     for pool in POOLS:
         seen = observation.pools[pool]
-        want, reason = _wants(pool, seen, attainment[pool], config)
-        low, high = config.min_replicas.get(pool, 1), config.max_replicas.get(pool, 1)
+        want, reason, queued[pool] = _wants(pool, seen, attainment[pool], config)
+        low, high = config.min_replicas[pool], config.max_replicas[pool]
         bounded = min(max(want, low), high)
         if bounded != want:
             reason += f" (bounded to [{low}, {high}])"
@@ -165,7 +179,8 @@ def plan(observation: Observation, config: PlannerConfig, state: PlannerState) -
             bounded, reason = seen.replicas, f"{reason}; holds for the hysteresis"
         wanted[pool] = (bounded, reason)
 
-    # The budget: growth is granted in order of need (furthest under its attainment target first).
+    # The budget: growth is granted in order of need (a queue first, then the attainment furthest
+    # under its target: a burst's attainment is mostly unknown yet, few of its requests have ended).
     used = sum(observation.pools[p].replicas * observation.pools[p].shards_per_replica for p in POOLS)
     freed = sum(
         (observation.pools[p].replicas - wanted[p][0]) * observation.pools[p].shards_per_replica
@@ -174,14 +189,14 @@ def plan(observation: Observation, config: PlannerConfig, state: PlannerState) -
     )
     left = math.inf if config.budget is None else config.budget - used + freed
     growing = [p for p in POOLS if wanted[p][0] > observation.pools[p].replicas]
-    growing.sort(key=lambda p: attainment[p] if attainment[p] is not None else 1.0)
+    growing.sort(key=lambda p: (not queued[p], attainment[p] if attainment[p] is not None else 1.0))
     for pool in growing:
         seen = observation.pools[pool]
         target, reason = wanted[pool]
         asked = target - seen.replicas
         granted = asked if left == math.inf else max(0, min(asked, int(left // seen.shards_per_replica)))
         if granted < asked:
-            reason += f"; the budget of {config.budget} shards allows {granted} more"
+            reason += f"; the budget of {config.budget} allows {granted} more"
         wanted[pool] = (seen.replicas + granted, reason)
         left -= granted * seen.shards_per_replica
     decisions = {p: Decision(p, observation.pools[p].replicas, *wanted[p]) for p in POOLS}
@@ -193,31 +208,39 @@ def plan(observation: Observation, config: PlannerConfig, state: PlannerState) -
 
 
 class SLOWindow:
-    """The requests that ended since the last ``take``, and how many met each SLO (a failed or
-    refused request meets neither; one of a single token meets the TPOT SLO)."""
+    """The requests that ended since the last ``take``: how many met the TTFT SLO, of all of them (a
+    failed or refused request is a miss), and the TPOT SLO, of those that got a first token (one of a
+    single token meets it); and their prompt tokens (the load that arrived)."""
 
     def __init__(self, ttft_slo_s: float, tpot_slo_s: float) -> None:
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
-        self.ended = self.ttft_met = self.tpot_met = 0
+        self.ended = self.ttft_met = self.decoded = self.tpot_met = self.prompt_tokens = 0
 
-    def request_ended(self, ok: bool, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+    def request_ended(
+        self, ok: bool, ttft_s: float | None = None, tpot_s: float | None = None, prompt_tokens: int = 0
+    ) -> None:
         self.ended += 1
+        self.prompt_tokens += prompt_tokens
         self.ttft_met += ok and ttft_s is not None and ttft_s <= self.ttft_slo_s
-        self.tpot_met += ok and (tpot_s is None or tpot_s <= self.tpot_slo_s)
+        if ok and ttft_s is not None:
+            self.decoded += 1
+            self.tpot_met += tpot_s is None or tpot_s <= self.tpot_slo_s
 
-    def take(self, min_samples: int) -> tuple[float | None, float | None]:
-        """(TTFT attainment, TPOT attainment) since the last take; None each under ``min_samples``."""
-        ended, ttft, tpot = self.ended, self.ttft_met, self.tpot_met
-        self.ended = self.ttft_met = self.tpot_met = 0
-        if ended < max(1, min_samples):
-            return None, None
-        return ttft / ended, tpot / ended
+    def take(self, min_samples: int) -> tuple[float | None, float | None, int]:
+        """(TTFT attainment, TPOT attainment, prompt tokens) since the last take; an attainment is
+        None with fewer than ``min_samples`` requests behind it."""
+        enough = max(1, min_samples)
+        ttft = self.ttft_met / self.ended if self.ended >= enough else None
+        tpot = self.tpot_met / self.decoded if self.decoded >= enough else None
+        prompt_tokens = self.prompt_tokens
+        self.ended = self.ttft_met = self.decoded = self.tpot_met = self.prompt_tokens = 0
+        return ttft, tpot, prompt_tokens
 
 
 def pool_state(reports: list[dict], shards_per_replica: int = 1) -> PoolState:
     """A pool as its replicas' latest reports (common.serving.ReplicaReport dicts) tell it; the
-    draining ones are leaving and do not count."""
-    live = [r for r in reports if not r.get("draining")]
+    draining ones are leaving and the failed ones (their engine stopped) serve nothing: neither counts."""
+    live = [r for r in reports if not r.get("draining") and not r.get("engine_error")]
     rates = [r.get("prefill_tokens_per_s", 0.0) for r in live if r.get("prefill_tokens_per_s", 0.0) > 0]
     usage = [
         1.0 - r.get("num_kv_blocks_free", 0) / r["num_kv_blocks_total"] for r in live if r.get("num_kv_blocks_total")

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -40,6 +41,7 @@ class PlannerLoop:
         self.window = SLOWindow(config.ttft_slo_s, config.tpot_slo_s)
         self.state = PlannerState()
         self.last: dict[str, Decision] = {}
+        self._last_tick = clock()
         self._target = Gauge(
             "pdserve:planner_target_replicas",
             "The SLO planner's replica count for each pool.",
@@ -47,23 +49,28 @@ class PlannerLoop:
             registry=registry,
         )
         self._decisions = Counter(
-            "pdserve:planner_decisions", "The SLO planner's resizes, by pool and direction.", ("pool", "direction"),
+            "pdserve:planner_decisions",
+            "The SLO planner's resizes that Serve ran, by pool and direction.",
+            ("pool", "direction"),
             registry=registry,
-        )  # fmt: skip
+        )
 
     async def tick(self) -> dict[str, Decision] | None:
         """One interval: the decisions (None while a pool has not reported yet)."""
         reports = self.reports()
         if not all(reports.get(pool) for pool in POOLS):
             return None
-        ttft, tpot = self.window.take(self.config.min_samples)
+        now = self.clock()
+        ttft, tpot, prompt_tokens = self.window.take(self.config.min_samples)
+        elapsed, self._last_tick = now - self._last_tick, now
         pools = {pool: pool_state(reports[pool], self.shards_per_replica.get(pool, 1)) for pool in POOLS}
-        decisions = plan(Observation(self.clock(), ttft, tpot, pools), self.config, self.state)
+        if elapsed > 0:
+            pools["prefill"] = replace(pools["prefill"], prompt_tokens_per_s=prompt_tokens / elapsed)
+        decisions = plan(Observation(now, ttft, tpot, pools), self.config, self.state)
         changes = {pool: d.target for pool, d in decisions.items() if d.direction != "hold"}
         for decision in decisions.values():
             self._target.labels(decision.pool).set(decision.target)
             if decision.direction != "hold":
-                self._decisions.labels(decision.pool, decision.direction).inc()
                 logger.info(
                     "planner: %s %d -> %d: %s", decision.pool, decision.current, decision.target, decision.reason
                 )
@@ -73,6 +80,10 @@ class PlannerLoop:
                 await self.resize(changes)
             except Exception as exc:  # the next interval sees the counts that are, and decides again
                 logger.warning("planner: the resize to %s failed: %s", changes, exc)
+            else:
+                for decision in decisions.values():
+                    if decision.direction != "hold":
+                        self._decisions.labels(decision.pool, decision.direction).inc()
         return decisions
 
     async def run(self) -> None:

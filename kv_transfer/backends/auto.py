@@ -14,6 +14,7 @@ only where it can work. Both backends land chunks in the same ``KVReceiver``.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from kv_transfer.receiver import KVReceiver
 
 SCHEME = "auto://"
+logger = logging.getLogger(__name__)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SEPARATOR = "|"  # in neither a shm endpoint (a temp dir's socket path) nor a tcp host:port
 
 
@@ -46,6 +49,7 @@ class AutoTransport(KVTransport):
         self._host_id = host_id
         self._local: KVTransport | None = None
         self._network: KVTransport | None = None
+        self._warned_loopback = False
 
     @property
     def local(self) -> KVTransport:
@@ -75,6 +79,16 @@ class AutoTransport(KVTransport):
         local, network = split_endpoint(endpoint)
         if self.is_local(endpoint):
             return self.local.connect(local)
+        host = network.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if host in _LOOPBACK and not self._warned_loopback:
+            # It dials this host's own loopback: right only for "hosts" that are one machine
+            # (PDSERVE_HOST_ID in a test); elsewhere the cause of the refusal that follows.
+            self._warned_loopback = True
+            logger.warning(
+                "the KV receiver %s is on another host but names a loopback address: if that host is "
+                "another machine, set kv_host to node (each decode replica's node address)",
+                endpoint,
+            )
         return self.network.connect(network)
 
     def is_local(self, endpoint: str) -> bool:

@@ -456,7 +456,7 @@ def test_a_pool_s_ray_resources_go_into_every_shard_s_bundle_and_bad_ones_are_re
     assert bundles == [{"CPU": 1.0, "decode_node": 1}] * 2
     prefill = _pool_deployment(config, "prefill", "/nonexistent/model")._bound_deployment
     assert prefill._replica_config.placement_group_bundles == [{"CPU": 1.0}]
-    for bad in ({"CPU": 2}, {"node": 0}, {"node": "one"}, ["node"], {"": 1}):
+    for bad in ({"CPU": 2}, {"node": 0}, {"node": "one"}, ["node"], {"": 1}, {"node": 1.5}, {"object_store_memory": 1}):
         with pytest.raises(ConfigError, match="ray_resources"):
             load_cluster_config(overrides={"prefill.ray_resources": bad})
 
@@ -473,12 +473,22 @@ def test_kv_host_node_is_accepted_for_every_transport_and_reaches_the_connector(
 def test_the_planner_s_budget_on_a_local_cpu_cluster_is_the_host_s_cores_and_each_replica_costs_its_own():
     from cluster.app import build_app, with_resolved_cores
 
-    config = load_cluster_config(overrides={"mode": "disagg", "planner.enabled": True, "device": "cpu"})
-    resolved = with_resolved_cores(config, num_host_cores=6)
-    assert resolved.planner.budget == 6 and (resolved.prefill.cores, resolved.decode.cores) == (3, 3)
+    config = load_cluster_config(
+        overrides={"mode": "disagg", "planner.enabled": True, "device": "cpu", "planner.max_replicas": {"prefill": 3}}
+    )
+    resolved = with_resolved_cores(config, num_host_cores=16)
+    # Each pool's half of the host, cut for the most replicas it may run: the planner has room to grow.
+    assert resolved.planner.budget == 16 and (resolved.prefill.cores, resolved.decode.cores) == (2, 2)
+    assert resolved.prefill.replicas == resolved.decode.replicas == 1
     given = with_resolved_cores(load_cluster_config(overrides={"planner.enabled": True, "planner.budget": 4}), 6)
     assert given.planner.budget == 4  # a budget set is kept
     kwargs = build_app(resolved, model_dir="/nonexistent/model")._bound_deployment._replica_config.init_kwargs
-    assert kwargs["pool_shards"] == {"prefill": 3, "decode": 3} and kwargs["planner"]["budget"] == 6
+    assert kwargs["pool_shards"] == {"prefill": 2, "decode": 2} and kwargs["planner"]["budget"] == 16
+    # At these defaults a burst gets its replicas: 2 + 2 cores used of 16.
+    from router.planner import Observation, PlannerConfig, PlannerState, PoolState, plan
+
+    burst = PoolState(1, 2, queued_prompt_tokens=50_000, prefill_tokens_per_s=4000.0)
+    seen = Observation(0.0, None, None, {"prefill": burst, "decode": PoolState(1, 2)})
+    assert plan(seen, PlannerConfig(**kwargs["planner"]), PlannerState())["prefill"].target == 3
     with pytest.raises(ConfigError, match=r"planner\.enabled"):
         load_cluster_config(overrides={"mode": "colocated", "planner.enabled": True})

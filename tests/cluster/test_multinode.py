@@ -27,6 +27,7 @@ _RAY = str(Path(sys.executable).with_name("ray"))
 # `ray start --head` turns token authentication on (Ray 2.60); every process that joins the
 # cluster, the worker raylet and pdserve's driver, must then present the token it wrote.
 _TOKEN_AUTH = {"RAY_AUTH_MODE": "token"}
+_MARKER = "PDSERVE_TEST_RAY_NODES"  # set on the raylets, inherited by every process they start
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -34,13 +35,26 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def _stop_nodes(temp_dir: str) -> None:
-    """Kill this test's raylets and their workers only: `ray stop` would take every Ray on the
-    machine, the other tests' local cluster included. Their command lines name the temp dir."""
-    out = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout
-    for pid in (int(p) for p in out.split()):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def _stop_nodes(marker: str, timeout_s: float = 30.0) -> None:
+    """Kill this test's raylets and every process they started, and wait until none is left. Not
+    `ray stop`, which would take every Ray on the machine (the other tests' local cluster too), nor
+    by command line, which Ray rewrites in its workers (``ray::…``): by the variable each of them
+    inherited from its raylet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ours = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                with contextlib.suppress(OSError):
+                    if _environ(int(entry.name)).get(_MARKER) == marker:
+                        ours.append(int(entry.name))
+        if not ours:
+            return
+        assert time.monotonic() < deadline, f"processes of the test's Ray nodes left: {ours}"
+        for pid in ours:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +69,7 @@ def two_nodes():
             ("node-a", ["--head", f"--port={port}", "--include-dashboard=false", "--resources", '{"node_a": 4}']),
             ("node-b", [f"--address=127.0.0.1:{port}", "--resources", '{"node_b": 4}']),
         ):
-            env = {**os.environ, **_TOKEN_AUTH, "PDSERVE_HOST_ID": host_id}
+            env = {**os.environ, **_TOKEN_AUTH, "PDSERVE_HOST_ID": host_id, _MARKER: temp_dir}
             started = subprocess.run(
                 [_RAY, "start", *extra, *common], env=env, capture_output=True, text=True, timeout=180
             )

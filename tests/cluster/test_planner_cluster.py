@@ -3,7 +3,9 @@ after it shrinks the pool again (the replica leaving is drained); nothing fails 
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -57,20 +59,34 @@ def test_a_burst_grows_the_prefill_pool_and_the_quiet_after_it_shrinks_it(cluste
     cluster.ensure(**PLANNER)
     assert _prefill_replicas(cluster) == 1
     prompts = [f"Request {i}. {long_text(3)}" for i in range(24)]  # ~250 tokens each, no prefix shared
+    seen: list[int] = []  # the prefill pool's size, every half second from the burst on
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.wait(0.5):
+            with contextlib.suppress(OSError, ValueError):
+                seen.append(_prefill_replicas(cluster))
 
     def ask(prompt: str) -> int:
         code, _, _ = post(cluster.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4})
         return code
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        codes = list(pool.map(ask, prompts))
-    assert codes == [200] * len(prompts)
-    # Queued prompt tokens beyond what one replica computes within the TTFT SLO: a second replica.
-    _wait_for(lambda: _prefill_replicas(cluster) == 2, 180, "the planner did not grow the prefill pool")
-    assert _decisions(cluster, "up") >= 1
-    # Nothing queued for three intervals: back to one, drained (the requests below all succeed).
-    _wait_for(lambda: _prefill_replicas(cluster) == 1, 180, "the planner did not shrink the prefill pool")
-    assert _decisions(cluster, "down") >= 1
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            codes = list(pool.map(ask, prompts))
+        assert codes == [200] * len(prompts)
+        # Queued prompt tokens beyond what one replica computes within the TTFT SLO: a second
+        # replica (perhaps already gone again by the time the burst's last answer came).
+        _wait_for(lambda: _decisions(cluster, "up") >= 1, 180, "the planner did not grow the prefill pool")
+        _wait_for(lambda: 2 in seen, 180, f"the prefill pool never ran 2 replicas: {seen[-20:]}")
+        # Little arriving for three intervals: back to one, drained (the request below succeeds).
+        _wait_for(lambda: _decisions(cluster, "down") >= 1, 180, "the planner did not shrink the prefill pool")
+        _wait_for(lambda: _prefill_replicas(cluster) == 1, 180, "the prefill pool did not shrink to 1")
+    finally:
+        watching.set()
+        watcher.join(5)
     assert ask("Hello") == 200
     planner = cluster.status()["planner"]
     assert set(planner) == {"prefill", "decode"} and planner["decode"]["target"] == 1

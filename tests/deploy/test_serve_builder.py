@@ -38,8 +38,7 @@ def test_the_manifests_args_are_a_valid_cluster_config(manifest_app: dict[str, A
 
     config = cluster_config(manifest_app["args"])
     assert config.disaggregated
-    # Pods: KV crosses the pod network. shm (auto's same-host half) would pass between two pods
-    # of one node, which share a boot id but no /dev/shm.
+    # Pods: KV crosses the pod network (they share no files: no shm between them).
     assert config.transport in ("tcp", "grpc", "torch")
     assert config.kv_host == "node"
     assert config.port != 0, "the probes and the Service name a fixed port"
@@ -86,3 +85,5 @@ def test_the_builder_refuses_args_that_cannot_work() -> None:
         cluster_config({"device": "cpu", "dtype": "auto"})
     with pytest.raises(ConfigError, match="kv_advertise_host"):
         cluster_config({"transport": "tcp", "kv_host": "0.0.0.0"})
+    with pytest.raises(ConfigError, match=r"planner\.enabled"):
+        cluster_config({"mode": "disagg", "planner": {"enabled": True}})

@@ -52,7 +52,7 @@ def test_the_budget_goes_first_to_the_pool_furthest_under_its_target():
     # Both want one more; one shard is left: decode's attainment (0.3) is the worse.
     decisions = plan(observe(ttft=0.7, tpot=0.3, decode=PoolState(1, kv_usage=0.5)), config, PlannerState())
     assert targets(decisions) == {"prefill": 1, "decode": 2}
-    assert "the budget of 3 shards allows 0 more" in decisions["prefill"].reason
+    assert "the budget of 3 allows 0 more" in decisions["prefill"].reason
     # A replica of two shards does not fit in one shard left.
     wide = PoolState(1, shards_per_replica=2, queued_prompt_tokens=9000, prefill_tokens_per_s=4000.0)
     decisions = plan(observe(prefill=wide), config, PlannerState())
@@ -93,14 +93,16 @@ def test_a_load_that_flaps_every_interval_does_not_make_the_counts_oscillate():
     assert replicas == 3 and changes == 1  # grown once for the bursts, never shrunk between them
 
 
-def test_too_few_requests_say_nothing_of_attainment():
+def test_attainment_counts_failures_against_ttft_only_and_too_few_requests_say_nothing():
     window = SLOWindow(ttft_slo_s=1.0, tpot_slo_s=0.1)
     for ok, ttft, tpot in ((True, 0.5, 0.05), (True, 2.0, 0.05), (True, 0.5, 0.3), (False, None, None)):
+        window.request_ended(ok, ttft, tpot, prompt_tokens=100)
+    assert window.take(min_samples=5) == (None, None, 400)  # four requests, and the window is emptied
+    for ok, ttft, tpot in ((True, 0.5, 0.05), (True, 2.0, None), (True, 0.5, 0.3), (True, 0.2, 0.01)):
         window.request_ended(ok, ttft, tpot)
-    assert window.take(min_samples=5) == (None, None)  # four requests, and the window is emptied
-    for ok, ttft, tpot in ((True, 0.5, 0.05), (True, 2.0, None), (True, 0.5, 0.3), (False, None, None)):
-        window.request_ended(ok, ttft, tpot)
-    assert window.take(min_samples=4) == (0.5, 0.5)
+    for _ in range(4):  # refused: TTFT misses, and nothing said of decode's pace
+        window.request_ended(False)
+    assert window.take(min_samples=4) == (3 / 8, 3 / 4, 0)
     decisions = plan(observe(ttft=None, tpot=None), CONFIG, PlannerState())
     assert targets(decisions) == {"prefill": 1, "decode": 1}
 
@@ -164,6 +166,31 @@ def test_the_router_s_loop_resizes_through_its_resize_path_and_exports_each_deci
     assert second["prefill"].target == 3 and second["decode"].direction == "up"  # KV usage 0.9
     assert resizes == [{"prefill": 3, "decode": 2}] * 2
     text = generate_latest(registry).decode()
-    assert 'pdserve:planner_decisions_total{direction="up",pool="prefill"} 2.0' in text
+    # Counted when Serve ran the resize: the second one failed.
+    assert 'pdserve:planner_decisions_total{direction="up",pool="prefill"} 1.0' in text
     assert 'pdserve:planner_target_replicas{pool="decode"} 2.0' in text
     assert loop.status()["prefill"] == {"current": 1, "target": 3, "reason": second["prefill"].reason}
+
+
+def test_a_steady_load_that_needs_every_prefill_replica_keeps_them_though_the_queue_looks_empty():
+    state = PlannerState()
+    # Two replicas at 4,000 tokens/s each, 3,000 arriving a second: one replica fewer would run at
+    # 75% of its rate, over prefill_low (50%). Each snapshot of the queue happens to be empty.
+    busy = PoolState(2, prefill_tokens_per_s=4000.0, prompt_tokens_per_s=3000.0)
+    assert {plan(observe(now=t, prefill=busy), CONFIG, state)["prefill"].target for t in range(0, 600, 10)} == {2}
+    # 1,000 a second fits one replica under half its rate: shrunk after the quiet spell.
+    light = PoolState(2, prefill_tokens_per_s=4000.0, prompt_tokens_per_s=1000.0)
+    seen = [plan(observe(now=t, prefill=light), CONFIG, state)["prefill"].target for t in (600, 610, 620)]
+    assert seen == [2, 2, 1]
+    unknown = PoolState(2, prefill_tokens_per_s=4000.0)  # no interval measured yet: no shrink
+    state = PlannerState()
+    assert {plan(observe(now=t, prefill=unknown), CONFIG, state)["prefill"].target for t in range(0, 100, 10)} == {2}
+
+
+def test_a_burst_s_queue_takes_the_budget_before_a_pool_whose_attainment_is_known():
+    config = PlannerConfig(enabled=True, budget=3)
+    burst = PoolState(1, queued_prompt_tokens=9000, prefill_tokens_per_s=4000.0)
+    # Few of the burst's requests have ended (TTFT unknown); decode's TPOT attainment is short.
+    decisions = plan(observe(ttft=None, tpot=0.5, prefill=burst), config, PlannerState())
+    assert targets(decisions) == {"prefill": 2, "decode": 1}
+    assert "the budget of 3 allows 0 more" in decisions["decode"].reason
