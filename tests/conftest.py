@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+
+from bench.random_model import build_tiny_llama
 
 # Keep each process to the cores it has; TP tests run several shards on this 2-core machine.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -56,55 +57,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             top_k=None,
         )
     return out[0, len(prompt_ids) :].tolist()
-
-
-def build_tiny_llama(
-    out_dir: Path,
-    tokenizer_dir: Path,
-    *,
-    num_heads=4,
-    num_kv_heads=2,
-    seed=0,
-    tie_word_embeddings=False,
-    model_type="llama",
-    rope_scaling=None,
-    **config_overrides,
-) -> Path:
-    """A random-weight Llama-family model with SmolLM2's tokenizer; weights are scaled up so
-    greedy choices have clear margins (random tiny models otherwise produce near-ties), and
-    biases, where the architecture or ``config_overrides`` (``attention_bias``, ``mlp_bias``)
-    has them, are random too (transformers starts them at zero, which would hide a misplaced one)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=49152,
-        num_hidden_layers=2,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=2048,
-        tie_word_embeddings=tie_word_embeddings,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        **({"rope_scaling": rope_scaling} if rope_scaling else {}),
-        **{"hidden_size": 64, "intermediate_size": 128, **config_overrides},
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.2)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(str(out_dir))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out_dir / name)
-    return out_dir
 
 
 @pytest.fixture(scope="session")
