@@ -19,7 +19,6 @@ whatever the estimate: the pools degrade to colocated serving until the prefill 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
 import time
@@ -42,15 +41,6 @@ from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
 from kv_transfer import make_ticket
 
 logger = logging.getLogger(__name__)
-
-
-class DecodeState(str, enum.Enum):
-    WAITING_FOR_BLOCKS = "waiting_for_blocks"
-    RESERVED = "reserved"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    FAILED = "failed"
 
 
 def to_delta(outputs: list[RequestOutput], replica_id: str, with_timings: bool = False) -> StreamDelta:

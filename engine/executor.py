@@ -27,6 +27,7 @@ import torch.distributed as dist
 from common.config import EngineConfig
 from common.cpu_cores import host_cores, pin_process, split_cores
 from common.errors import ConfigError
+from common.kv_messages import ConnectorStep, ShardReport
 from engine.distributed.parallel import TensorParallel, pick_device
 from engine.dtype_probe import resolve_auto_dtype
 from engine.model_runner import ModelRunner, check_model
@@ -129,10 +130,11 @@ def run_worker(
             message = msgpack.unpackb(tp.broadcast_bytes(None))
             op = message["op"]
             if op == "step":
-                runner.execute(StepInput.from_dict(message["step"]), message.get("meta"))
+                plan = message.get("connector")
+                runner.execute(StepInput.from_dict(message["step"]), ConnectorStep.from_wire(plan) if plan else None)
             elif op == "connector":  # no forward pass: only move KV bookkeeping forward
                 if runner.connector is not None:
-                    runner.connector.start_step(message.get("meta") or {})
+                    runner.connector.start_step(ConnectorStep.from_wire(message["connector"]))
             elif op == "shutdown":
                 break
             if has_connector and op in ("step", "connector"):
@@ -239,28 +241,29 @@ class Executor:
             raise
         self._closed = False
 
-    def execute(self, step: StepInput, connector_meta: dict | None = None) -> torch.Tensor | None:
+    def execute(self, step: StepInput, connector_step: ConnectorStep | None = None) -> torch.Tensor | None:
         """The forward pass on every shard. With a connector, ``finish_step`` must follow."""
         with self._guard():
             if self.world_size > 1:
-                message = {"op": "step", "step": step.to_dict(), "meta": connector_meta}
+                plan = connector_step.to_wire() if connector_step is not None else None
+                message = {"op": "step", "step": step.to_dict(), "connector": plan}
                 self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
-            return self.driver.execute(step, connector_meta)
+            return self.driver.execute(step, connector_step)
 
-    def connector_step(self, connector_meta: dict) -> None:
+    def connector_step(self, plan: ConnectorStep) -> None:
         """A step without a forward pass, to register or forget transfers and poll progress."""
         with self._guard():
             if self.world_size > 1:
-                message = {"op": "connector", "meta": connector_meta}
+                message = {"op": "connector", "connector": plan.to_wire()}
                 self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
             assert self.driver.connector is not None
-            self.driver.connector.start_step(connector_meta)
+            self.driver.connector.start_step(plan)
 
-    def finish_step(self, sampled: dict[str, int] | None) -> list[dict]:
+    def finish_step(self, sampled: dict[str, int] | None) -> list[ShardReport]:
         """Every shard's connector report for the step just run (rank order)."""
         with self._guard():
             reports = self.tp.gather_bytes_to_driver(self.driver.connector_end_step(sampled)) or []
-        return [msgpack.unpackb(r, raw=False) if r else {} for r in reports]
+        return [ShardReport.from_wire(msgpack.unpackb(r, raw=False)) if r else ShardReport() for r in reports]
 
     @contextlib.contextmanager
     def _guard(self):

@@ -1,16 +1,17 @@
 """The hook through which KV leaves or enters a model instance, hosted on every shard.
 
-vLLM's KV-connector split: the driver decides (which requests send or expect KV this step, as
-an opaque msgpack-able ``meta`` dict riding on the step message); each shard's connector moves
-bytes around its own forward pass. The engine never imports an implementation: it loads one by
-``"module:factory"`` name, so a transfer library plugs in without the engine depending on it.
+vLLM's KV-connector split: the driver decides (which windows to push or tickets to expect this
+step: a ``ConnectorStep`` riding on the step message); each shard's connector moves bytes around
+its own forward pass and answers with a ``ShardReport`` (common.kv_messages). The engine never
+imports an implementation: it loads one by ``"module:factory"`` name, so a transfer library plugs
+in without the engine depending on it.
 
 Per step, on every shard:
 
-    start_step(meta)          before the forward pass (register sends / expected receives)
-    after_layer(i, kv[i])     after layer i wrote its KV (a sender pushes layer i now)
-    end_step(sampled) -> {}   after the forward; ``sampled`` (request id -> first token) on the driver,
-                              None elsewhere; returns a msgpack-able report the driver merges
+    start_step(step)                   before the forward pass (register pushes / expected tickets)
+    after_layer(i, kv[i])              after layer i wrote its KV (a sender pushes layer i now)
+    end_step(sampled) -> ShardReport   after the forward; ``sampled`` (request id -> first token) on
+                                       the driver, None elsewhere; the driver merges every shard's
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from typing import Any, Protocol
 import torch
 
 from common.kv_layout import KVCacheLayout
+from common.kv_messages import ConnectorStep, ShardReport
 
 
 class KVConnector(Protocol):
     endpoint: str | None  # where this shard receives KV (None for a send-only connector)
 
-    def start_step(self, meta: dict[str, Any]) -> None: ...
+    def start_step(self, step: ConnectorStep) -> None: ...
 
     def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None: ...
 
-    def end_step(self, sampled: dict[str, int] | None) -> dict[str, Any]: ...
+    def end_step(self, sampled: dict[str, int] | None) -> ShardReport: ...
 
     def close(self) -> None: ...
 

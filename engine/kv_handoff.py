@@ -12,8 +12,9 @@ Decode role: a reserved request's ticket is registered on every shard; when ever
 DONE the request is queued to decode with the first token prefill sampled; when any reports
 FAILED it ends with that error and its blocks are freed.
 
-Transfer states arrive as ints of kv_transfer.state.TransferState (2 = DONE, 3 = FAILED); the
-engine reads only these two values and never imports the transfer library.
+The messages both ways are common.kv_messages' (ConnectorStep out, one ShardReport per shard
+back), with the TransferState enum kv_transfer uses too: the engine never imports the transfer
+library.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from common.kv_messages import ConnectorStep, PushWindow, ShardReport, Ticket, TransferState
 from engine.scheduler import SchedulerOutput
-
-_DONE, _FAILED = 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class KVHandoff:
         step that computes its end)."""
         self.num_shards = num_shards
         self.block_size = block_size
-        self.tickets: dict[str, dict] = {}  # prefill: request id -> ticket, until its push starts
+        self.tickets: dict[str, Ticket] = {}  # prefill: request id -> ticket, until its push starts
         self.sending: set[str] = set()
         self.pushing: dict[str, int] = {}  # prefill, mid-prompt: request id -> ticket blocks pushed so far
         self.push_leases: dict[str, float] = {}  # of those, the ticket's lease deadline (wall clock)
@@ -61,7 +61,7 @@ class KVHandoff:
         self._forget: list[str] = []
         self._cancel: list[str] = []
 
-    def send_on_prefill(self, request_id: str, ticket: dict) -> None:
+    def send_on_prefill(self, request_id: str, ticket: Ticket) -> None:
         self.tickets[request_id] = ticket
 
     def expect(self, request_id: str) -> None:
@@ -93,9 +93,9 @@ class KVHandoff:
     def busy(self) -> bool:
         return bool(self.sending or self.receiving or self._forget or self._cancel)
 
-    def meta_for(self, scheduled: SchedulerOutput | None) -> dict:
-        """The connector message for the next step (expects are registered at once by expect_kv)."""
-        sends = []
+    def connector_step(self, scheduled: SchedulerOutput | None) -> ConnectorStep:
+        """The connectors' orders for the next step (expects are registered at once by expect_kv)."""
+        pushes = []
         for chunk in scheduled.chunks if scheduled is not None else ():
             request_id = chunk.request_id
             started = request_id in self.pushing
@@ -104,46 +104,45 @@ class KVHandoff:
             if chunk.samples:  # the prompt's end: the rest of its blocks, then the "done"
                 first = self.pushing.get(request_id, 0)
                 self.end_push(request_id)
-                item = {"block_ids": chunk.block_ids[first:], "last": True}
+                block_ids, last = chunk.block_ids[first:], True
             elif self.block_size is not None and chunk.in_prompt:
                 first = self.pushing.get(request_id, 0)
                 end = (chunk.start_position + len(chunk.token_ids)) // self.block_size  # blocks now full
                 if end <= first:
                     continue
                 self.pushing[request_id] = end
-                item = {"block_ids": chunk.block_ids[first:end], "last": False}
+                block_ids, last = chunk.block_ids[first:end], False
             else:
                 continue
-            if started:
-                item["request_id"] = request_id
-            else:
-                item["ticket"] = ticket = self.tickets.pop(request_id)
+            ticket = None
+            if not started:
+                ticket = self.tickets.pop(request_id)
                 self.sending.add(request_id)
                 if request_id in self.pushing:
                     self.push_leases[request_id] = ticket.get("lease_deadline", math.inf)
-            sends.append(item)
-        meta = {"sends": sends, "expects": [], "forget": self._forget, "cancel": self._cancel}
+            pushes.append(PushWindow(request_id, block_ids, ticket, last))
+        step = ConnectorStep(pushes=pushes, forget=self._forget, cancel=self._cancel)
         self._forget, self._cancel = [], []
-        return meta
+        return step
 
-    def merge(self, reports: list[dict]) -> HandoffResult:
+    def merge(self, reports: list[ShardReport]) -> HandoffResult:
         """Fold every shard's report; a transfer ends when all shards report it terminal."""
         result = HandoffResult()
         for request_id in list(self.sending):
-            states = [r["sends"][request_id] for r in reports if request_id in r.get("sends", {})]
-            failed = next((s for s in states if s[0] == _FAILED), None)
+            pushes = [r.pushes[request_id] for r in reports if request_id in r.pushes]
+            failed = next((p for p in pushes if p.state is TransferState.FAILED), None)
             if failed is not None and request_id in self.pushing:
                 # A shard's push failed mid-prompt (a receiver refused it, its lease ran out): the
                 # request ends now, and the other shards' pushes are cancelled rather than left to
                 # run to the prompt's end.
                 self.cancel(request_id)
-                result.failed_pushes.append((request_id, failed[1] or "failed"))
-            if len(states) < self.num_shards or any(s[0] < _DONE for s in states):
+                result.failed_pushes.append((request_id, failed.reason or "failed"))
+            if len(pushes) < self.num_shards or not all(p.state.is_terminal for p in pushes):
                 continue
-            failure = next((s[1] or "failed" for s in states if s[0] == _FAILED), None)
-            times = [s[2] for s in states if len(s) > 2 and s[2] is not None]
-            num_bytes = sum(s[3] for s in states if len(s) > 3)
-            windows = max((s[4] for s in states if len(s) > 4), default=1)
+            failure = next((p.reason or "failed" for p in pushes if p.state is TransferState.FAILED), None)
+            times = [p.seconds for p in pushes if p.seconds is not None]
+            num_bytes = sum(p.num_bytes for p in pushes)
+            windows = max((p.num_windows for p in pushes), default=1)
             seconds = max(times) if times else None
             cancelled = request_id in self.cancelled
             result.sent.append(SentKV(request_id, failure, seconds, num_bytes, windows, cancelled))
@@ -151,14 +150,14 @@ class KVHandoff:
             self.cancelled.discard(request_id)
             self._forget.append(request_id)
         for request_id in list(self.receiving):
-            states = [r["receives"][request_id] for r in reports if request_id in r.get("receives", {})]
-            if len(states) < self.num_shards:
+            receives = [r.receives[request_id] for r in reports if request_id in r.receives]
+            if len(receives) < self.num_shards:
                 continue
-            failed = next((s for s in states if s[0] == _FAILED), None)
+            failed = next((r for r in receives if r.state is TransferState.FAILED), None)
             if failed is not None:
-                result.failed_receives.append((request_id, f"KV transfer failed: {failed[1]}"))
-            elif all(s[0] == _DONE for s in states):
-                first_token = next(s[2] for s in states if s[2] is not None)
+                result.failed_receives.append((request_id, f"KV transfer failed: {failed.reason}"))
+            elif all(r.state is TransferState.DONE for r in receives):
+                first_token = next(r.first_token_id for r in receives if r.first_token_id is not None)
                 result.received.append((request_id, first_token))
             else:
                 continue

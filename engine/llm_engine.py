@@ -18,6 +18,7 @@ from common.config import MIN_STALL_CHUNK_TOKENS, EngineConfig, EngineRole
 from common.errors import InvalidRequestError, OverloadedError
 from common.kv_events import KVCacheEvent, PrefixCacheStats
 from common.kv_layout import KVCacheLayout
+from common.kv_messages import ConnectorStep, ShardReport
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
 from engine.distributed.parallel import pick_device
@@ -196,7 +197,7 @@ class LLMEngine:
             raise InvalidRequestError(f"kv_ticket is not a ticket for request {request_id!r}", param="kv_ticket")
         self.handoff.expect(request_id)
         # Registered on every shard now, before the caller hands the ticket to prefill.
-        self.executor.connector_step({"sends": [], "expects": [kv_ticket], "forget": []})
+        self.executor.connector_step(ConnectorStep(expects=[kv_ticket]))
         self._apply_handoff(self.executor.finish_step(None))
 
     def kv_ready(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
@@ -223,7 +224,7 @@ class LLMEngine:
             self.handoff.cancel(request_id)
             self.num_kv_pushes_cancelled += 1
             request = self.scheduler.hold_for_handoff(request_id, status, error)
-            self.executor.connector_step(self.handoff.meta_for(None))
+            self.executor.connector_step(self.handoff.connector_step(None))
             self._apply_handoff(self.executor.finish_step(None))
             if request is not None and request_id in self.outputs.states:
                 self._outputs_outside_step.append(self.outputs.build(request_id))
@@ -233,7 +234,7 @@ class LLMEngine:
         if self.handoff is not None and request_id in self.handoff.receiving:
             self.handoff.receiving.discard(request_id)
             # Every shard stops accepting this request's chunks before its blocks can be reused.
-            self.executor.connector_step({"sends": [], "expects": [], "forget": [request_id]})
+            self.executor.connector_step(ConnectorStep(forget=[request_id]))
             self._apply_handoff(self.executor.finish_step(None))
         request = self.scheduler.finish_request(request_id, status, error)
         if request is not None and request_id in self.outputs.states:
@@ -245,7 +246,7 @@ class LLMEngine:
         step's forward pass, which on a busy prefill replica can take seconds."""
         if self.handoff is None or not self.handoff.sending:
             return
-        self.executor.connector_step(self.handoff.meta_for(None))
+        self.executor.connector_step(self.handoff.connector_step(None))
         self._apply_handoff(self.executor.finish_step(None))
 
     # --- the step --------------------------------------------------------------------------
@@ -257,16 +258,16 @@ class LLMEngine:
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if self.handoff is not None and self.handoff.pushing:
             self._end_preempted_pushes(scheduled.preempted_request_ids)
-        meta = self.handoff.meta_for(scheduled) if self.handoff is not None else None
+        plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
-            if self.handoff is not None and (meta["sends"] or meta["forget"] or self.handoff.busy):
-                self.executor.connector_step(meta)
+            if self.handoff is not None and plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
+                self.executor.connector_step(plan)
                 self._apply_handoff(self.executor.finish_step(None))
             return self._take_outputs_outside_step()
         now = started = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
-        logits = self.executor.execute(step_input, meta)
+        logits = self.executor.execute(step_input, plan)
         sampled: dict[str, int] = {}
         if sampled_ids:
             assert logits is not None
@@ -371,7 +372,7 @@ class LLMEngine:
         outputs, self._outputs_outside_step = self._outputs_outside_step, []
         return outputs
 
-    def _apply_handoff(self, reports: list[dict]) -> None:
+    def _apply_handoff(self, reports: list[ShardReport]) -> None:
         assert self.handoff is not None
         result = self.handoff.merge(reports)
         for request_id, reason in result.failed_pushes:
@@ -402,7 +403,7 @@ class LLMEngine:
             # One shard failed; others may still accept chunks. All of them stop before the blocks
             # can be reused (reports of this extra round are dropped: open transfers report again).
             forget = [request_id for request_id, _ in result.failed_receives]
-            self.executor.connector_step({"sends": [], "expects": [], "forget": forget})
+            self.executor.connector_step(ConnectorStep(forget=forget))
             self.executor.finish_step(None)
         for request_id, reason in result.failed_receives:
             self.num_kv_transfer_failures += 1

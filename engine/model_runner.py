@@ -12,6 +12,7 @@ import torch
 from common.config import EngineConfig
 from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
+from common.kv_messages import ConnectorStep
 from engine.attention import StepTensors, get_backend
 from engine.cpu_kernels import kernels_for
 from engine.cpu_kernels.prefill_probe import use_tiled_prefill
@@ -123,7 +124,7 @@ class ModelRunner:
         """This shard's connector report for the step, msgpack-encoded (b"" without a connector)."""
         if self.connector is None:
             return b""
-        return msgpack.packb(self.connector.end_step(sampled), use_bin_type=True)
+        return msgpack.packb(self.connector.end_step(sampled).to_wire(), use_bin_type=True)
 
     def close(self) -> None:
         if self.connector is not None:
@@ -190,13 +191,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, connector_meta: dict | None = None) -> torch.Tensor | None:
+    def execute(self, step: StepInput, connector_step: ConnectorStep | None = None) -> torch.Tensor | None:
         """Run one step on this shard; every shard must call it with the same input.
 
         Returns the sampled rows' logits [rows, vocab] in float32 on the driver, None elsewhere.
         """
         if self.connector is not None:
-            self.connector.start_step(connector_meta or {})
+            self.connector.start_step(connector_step or ConnectorStep())
         tensors = self._tensors(step)
         meta = self.backend.build_metadata(tensors, self.layout.block_size)
         hidden = self.model(tensors.input_ids, tensors.positions, self.kv_caches, meta)

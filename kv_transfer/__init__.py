@@ -7,6 +7,28 @@
     decode shard r       KVReceiver writes into its reserved blocks; poll() ─▶ PENDING/TRANSFERRING/DONE/FAILED
 
 kv_transfer knows tensors, block ids and layouts (``common.kv_layout``), never schedulers.
+
+One word per thing:
+
+    hand-off   one request's passage from prefill to decode: its ticket handed out, its transfer,
+               the first token back. The pools and the router speak of it; the engine's driver
+               keeps it across its shards (engine.kv_handoff.KVHandoff).
+    ticket     decode's grant for one request: the blocks it reserved, where to send them, the
+               layout, the lease and the secret that signs every chunk (KVTicket).
+    transfer   the KV bytes of one hand-off moving between one prefill shard and the decode
+               shards; it has a TransferState on each shard (common.kv_messages).
+    push       a prefill shard's sending of a transfer (KVSender); it leaves in windows.
+    window     a contiguous range of a ticket's blocks pushed in one step: one per prompt chunk
+               that completed blocks, the last one followed by the "done".
+    chunk      one signed message on the wire, a header and its payload: one or several layers'
+               blocks of a window, for a range of KV heads.
+    landing    writing a received chunk into the reserved blocks: copied from its payload,
+               written in place by the backend, or pulled from the sender's shared cache.
+    channel    a sender's connection to one receiver endpoint (KVChannel); a transport makes
+               channels and serves receivers (KVTransport).
+    connector  the per-shard hook around the forward pass through which the engine drives all
+               this (engine.kv_connector); TransferConnector is kv_transfer's. Each step the driver
+               sends it a ConnectorStep and it answers with a ShardReport (common.kv_messages).
 """
 
 from kv_transfer.receiver import KVReceiver

@@ -1,22 +1,14 @@
-"""Transfer states and statistics, shared by senders and receivers."""
+"""Transfer states and statistics, shared by senders and receivers.
+
+TransferState lives in common.kv_messages, which the engine reads too: one enum for both sides."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from common.kv_messages import TransferState
 
-class TransferState(enum.IntEnum):
-    """Ordered: a transfer only moves forward, and DONE/FAILED are terminal."""
-
-    PENDING = 0
-    TRANSFERRING = 1
-    DONE = 2
-    FAILED = 3
-
-    @property
-    def is_terminal(self) -> bool:
-        return self >= TransferState.DONE
+__all__ = ["TransferState", "TransferStats"]
 
 
 @dataclass(slots=True)

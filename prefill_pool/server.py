@@ -14,7 +14,6 @@ gets it inside the KV completion message too) or the reason it failed.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 
@@ -31,15 +30,6 @@ from engine.llm_engine import LLMEngine
 from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
 
 logger = logging.getLogger(__name__)
-
-
-class PrefillState(str, enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    SENDING = "sending"
-    DONE = "done"
-    ABORTED = "aborted"
-    FAILED = "failed"
 
 
 class PrefillServer(EngineReplica):
