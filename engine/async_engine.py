@@ -247,6 +247,7 @@ class AsyncEngine:
         except BaseException as exc:
             built.set_exception(exc)
             return
+        self.engine.executor.on_failure = self._fail_streams_now
         built.set_result(None)
         try:
             while not self._stopping.is_set():
@@ -410,11 +411,18 @@ class AsyncEngine:
                 return
             time.sleep(self._idle_poll_s)
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_streams_now(self, error: str) -> None:
+        """From the shard watchdog's thread: a shard died while this thread may be inside a step it
+        cannot leave until distributed_timeout_s. The streams end and the health check fails now;
+        the rest (hand-off watches, commands, waiters: this thread's alone) when the step returns."""
+        self.error = self.error or error
         for request_id, stream in list(self._streams.items()):
             completion = CompletionOutput(0, "", [], finish_reason="error")
             failed = RequestOutput(request_id, None, [], [completion], finished=True, error=error)
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, failed)
+
+    def _fail_all(self, error: str) -> None:
+        self._fail_streams_now(error)
         for watch in list(self._handoffs.values()):
             _resolve(watch.loop, watch.future, HandoffEnded(None, error))
         self._handoffs.clear()

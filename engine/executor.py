@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -183,7 +184,13 @@ class Executor:
         self.workers: list[WorkerHandle] = []
         self.shard_pids: list[int] = []  # ranks 1.., for operators (whichever launcher started them)
         self._broken = False  # a step failed midway: shards may be stuck in a collective
+        self._steps_in_flight = 0  # inside _guard: a thread may be in a collective right now
+        self._teardown_deferred = False  # shut down mid-step: the step's thread tears down on leaving
+        self._in_flight_lock = threading.Lock()
         self.failure: str | None = None  # set by the watchdog when a shard died
+        # Called by the watchdog with ``failure``: the step thread may stay in a collective with the
+        # dead shard until distributed_timeout_s, and its callers should not wait that long.
+        self.on_failure: Callable[[str], None] | None = None
         self._watch_stop = threading.Event()
         if self.world_size == 1:
             tp = TensorParallel.single(device)
@@ -272,11 +279,19 @@ class Executor:
         if self._broken:
             raise RuntimeError("this model instance failed during an earlier step; restart it")
         self._check_workers()
+        with self._in_flight_lock:
+            self._steps_in_flight += 1
         try:
             yield
         except BaseException:
             self._broken = True
             raise
+        finally:
+            with self._in_flight_lock:
+                self._steps_in_flight -= 1
+                teardown = self._teardown_deferred and not self._steps_in_flight
+            if teardown:
+                self._teardown()
 
     def _check_workers(self) -> None:
         self.check_shards()
@@ -309,6 +324,8 @@ class Executor:
                 self.failure = f"tensor-parallel shard(s) {dead} died; the model instance must be restarted"
                 logger.error("%s: stopping every other shard so that no step waits on them", self.failure)
                 self._kill_workers()
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
                 return
 
     def shutdown(self) -> None:
@@ -316,6 +333,19 @@ class Executor:
             return
         self._closed = True
         self._watch_stop.set()  # shards that exit now are shut down, not dead
+        with self._in_flight_lock:
+            # A step's thread may still be in a collective with a dead shard (gloo's operations
+            # cannot be interrupted; it leaves at distributed_timeout_s). Freeing the caches or the
+            # group under it would crash the process: the shards go now, the rest when it leaves.
+            self._teardown_deferred = self.world_size > 1 and self._steps_in_flight > 0
+        if self._teardown_deferred:
+            logger.warning("shut down with a step still in a collective: its thread frees what it uses on leaving")
+            self._kill_workers()
+            return
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._teardown_deferred = False
         if getattr(self, "driver", None) is not None:
             self.driver.close()
         if self.world_size > 1:
