@@ -8,22 +8,34 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kv_transfer.errors import TransferRefused as TransferRefused  # where backends and tests import it from
+
 if TYPE_CHECKING:
-    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.receiving.direct import DirectWrite
 
 
-class TransferRefused(Exception):
-    """The receiver refused a chunk (bad signature, expired lease, checksum, layout); the reason says why.
+class ChunkReceiver(Protocol):
+    """What a backend needs from the receiver it serves (``kv_transfer.receiver.KVReceiver``): each
+    method verifies a chunk and raises TransferRefused with the reason; see KVReceiver for the rest."""
 
-    ``kind`` names the refusal as the receiver counts it (``KVReceiver.refusals``), "" if unknown."""
+    kv_caches: list[torch.Tensor]
 
-    def __init__(self, message: str = "", kind: str = "") -> None:
-        super().__init__(message)
-        self.kind = kind
+    def apply(
+        self, raw_header: bytes, payload: memoryview | bytes, regions: Mapping[int, torch.Tensor] | None = None
+    ) -> None: ...
+
+    def check_header(self, raw_header: bytes, nbytes: int) -> None: ...
+
+    def begin_direct(
+        self, raw_header: bytes, nbytes: int, num_pieces: int | None, abort: Callable[[], object] | None = None
+    ) -> DirectWrite: ...
+
+    def end_direct(self, write: DirectWrite, received: bool, reason: str = "") -> None: ...
 
 
 class KVChannel(ABC):
@@ -114,7 +126,7 @@ class KVTransport(ABC):
     name: str
 
     @abstractmethod
-    def serve(self, receiver: KVReceiver, host: str = "127.0.0.1") -> str:
+    def serve(self, receiver: ChunkReceiver, host: str = "127.0.0.1") -> str:
         """Start accepting chunks for ``receiver``; returns its endpoint string. Never blocks."""
 
     @abstractmethod
