@@ -30,7 +30,9 @@ class Window:
     direct: BlockCopyPlan
 
 
-_NO_WINDOW = Window(0, [], gather_plan([]), plan_block_copy([], []))
+def _no_window() -> Window:
+    # Each push its own: a plan caches index tensors, and pushes run on different threads.
+    return Window(0, [], gather_plan([]), plan_block_copy([], []))
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Push:
     ticket: KVTicket
     stats: TransferStats
     receivers: set[int]  # the receiver ranks this shard sends heads to
-    window: Window = _NO_WINDOW
+    window: Window = field(default_factory=_no_window)
     windows: list[list[int]] = field(default_factory=list)  # [block_offset, num_blocks] of each window
     state: TransferState = TransferState.PENDING
     reason: str | None = None
