@@ -89,21 +89,26 @@ def _wait_unhealthy(engine: AsyncEngine, bound_s: float) -> float:
     return time.monotonic() - started
 
 
+async def _decode_until_fifth_token(engine: AsyncEngine, then) -> list:
+    """Stream a long request; at its fifth token await ``then()``; every output until it ends."""
+    outputs = engine.open_stream("long")
+    params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    await engine.call(lambda e: e.add_request("long", list(range(10, 40)), params))
+    got = []
+    async for batch in engine.stream("long", outputs, item_timeout_s=DISTRIBUTED_TIMEOUT_S):
+        got.extend(batch)
+        if len(got) == 5:
+            await then()
+    return got
+
+
 @pytest.mark.parametrize("rank", [1, 2])
 def test_a_shard_killed_mid_decode_ends_the_step_and_its_streams_at_once(engine, rank):
-    async def drill() -> list:
-        outputs = engine.open_stream("long")
-        params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
-        await engine.call(lambda e: e.add_request("long", list(range(10, 40)), params))
-        got = []
-        async for batch in engine.stream("long", outputs, item_timeout_s=DISTRIBUTED_TIMEOUT_S):
-            got.extend(batch)
-            if len(got) == 5:
-                os.kill(engine.engine.executor.shard_pids[rank - 1], signal.SIGKILL)
-        return got
+    async def kill_shard() -> None:
+        os.kill(engine.engine.executor.shard_pids[rank - 1], signal.SIGKILL)
 
     started = time.monotonic()
-    *decoded, last = asyncio.run(drill())
+    *decoded, last = asyncio.run(_decode_until_fifth_token(engine, kill_shard))
     assert time.monotonic() - started < FOUND_WITHIN_S
     assert len(decoded) >= 5 and last.finished and last.error, last
     assert not engine.is_healthy
@@ -132,21 +137,13 @@ def test_a_step_stuck_in_its_collective_does_not_hold_the_streams_or_the_shutdow
     close = executor.driver.close
     executor.driver.close = lambda: closed.append(True) or close()
 
-    async def drill() -> list:
-        outputs = engine.open_stream("long")
-        params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
-        await engine.call(lambda e: e.add_request("long", list(range(10, 40)), params))
-        got = []
-        async for batch in engine.stream("long", outputs, item_timeout_s=DISTRIBUTED_TIMEOUT_S):
-            got.extend(batch)
-            if len(got) == 5:  # the next step sticks in its broadcast; then its shard dies
-                stick.set()
-                assert await asyncio.to_thread(stuck.wait, FOUND_WITHIN_S)
-                os.kill(executor.shard_pids[1], signal.SIGKILL)
-        return got
+    async def stick_then_kill_shard() -> None:  # the next step sticks in its broadcast; then its shard dies
+        stick.set()
+        assert await asyncio.to_thread(stuck.wait, FOUND_WITHIN_S)
+        os.kill(executor.shard_pids[1], signal.SIGKILL)
 
     started = time.monotonic()
-    *decoded, last = asyncio.run(drill())
+    *decoded, last = asyncio.run(_decode_until_fifth_token(engine, stick_then_kill_shard))
     assert time.monotonic() - started < FOUND_WITHIN_S
     assert len(decoded) >= 5 and last.finished and "shard(s) [2] died" in (last.error or ""), last
     assert not engine.is_healthy and executor._steps_in_flight == 1  # the step thread is still stuck
