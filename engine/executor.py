@@ -35,6 +35,8 @@ from engine.model_runner import ModelRunner, check_model
 from engine.step_input import StepInput
 
 logger = logging.getLogger(__name__)
+# How long shutdown lets a step's thread leave its collective once the shards are gone.
+_STEP_LEAVE_WAIT_S = 10.0
 # How often the watchdog asks whether every shard still runs (a process poll or a Ray wait of 0 s).
 _SHARD_WATCH_PERIOD_S = 0.5
 
@@ -185,8 +187,7 @@ class Executor:
         self.shard_pids: list[int] = []  # ranks 1.., for operators (whichever launcher started them)
         self._broken = False  # a step failed midway: shards may be stuck in a collective
         self._steps_in_flight = 0  # inside _guard: a thread may be in a collective right now
-        self._teardown_deferred = False  # shut down mid-step: the step's thread tears down on leaving
-        self._in_flight_lock = threading.Lock()
+        self._step_left = threading.Condition()
         self.failure: str | None = None  # set by the watchdog when a shard died
         # Called by the watchdog with ``failure``: the step thread may stay in a collective with the
         # dead shard until distributed_timeout_s, and its callers should not wait that long.
@@ -279,7 +280,7 @@ class Executor:
         if self._broken:
             raise RuntimeError("this model instance failed during an earlier step; restart it")
         self._check_workers()
-        with self._in_flight_lock:
+        with self._step_left:
             self._steps_in_flight += 1
         try:
             yield
@@ -287,11 +288,9 @@ class Executor:
             self._broken = True
             raise
         finally:
-            with self._in_flight_lock:
+            with self._step_left:
                 self._steps_in_flight -= 1
-                teardown = self._teardown_deferred and not self._steps_in_flight
-            if teardown:
-                self._teardown()
+                self._step_left.notify_all()
 
     def _check_workers(self) -> None:
         self.check_shards()
@@ -333,19 +332,15 @@ class Executor:
             return
         self._closed = True
         self._watch_stop.set()  # shards that exit now are shut down, not dead
-        with self._in_flight_lock:
-            # A step's thread may still be in a collective with a dead shard (gloo's operations
-            # cannot be interrupted; it leaves at distributed_timeout_s). Freeing the caches or the
-            # group under it would crash the process: the shards go now, the rest when it leaves.
-            self._teardown_deferred = self.world_size > 1 and self._steps_in_flight > 0
-        if self._teardown_deferred:
-            logger.warning("shut down with a step still in a collective: its thread frees what it uses on leaving")
+        if self.world_size > 1 and self._steps_in_flight:
+            # A step's thread is still in a collective (a shard died, or we are shutting down
+            # under it). Its shards go first, so the collective fails and the thread leaves; only
+            # then are the caches and the group freed. gloo's operations cannot be interrupted and
+            # have been seen to outwait a dead peer: past the bound they are freed regardless.
             self._kill_workers()
-            return
-        self._teardown()
-
-    def _teardown(self) -> None:
-        self._teardown_deferred = False
+            with self._step_left:
+                if not self._step_left.wait_for(lambda: not self._steps_in_flight, _STEP_LEAVE_WAIT_S):
+                    logger.warning("shutting down with a step still in a collective after %.0f s", _STEP_LEAVE_WAIT_S)
         if getattr(self, "driver", None) is not None:
             self.driver.close()
         if self.world_size > 1:
