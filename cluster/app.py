@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import ray
 from ray import serve
@@ -371,10 +372,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def build_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: str | None = None):
+def build_app(
+    config: ClusterConfig,
+    keyring: KeyRing | None = None,
+    model_dir: str | None = None,
+    scaler: Callable[[dict[str, int], KeyRing, str], dict[str, int]] = scaling.scale,
+):
     """The Serve application for ``config`` (the model is converted here, once, if needed).
     ``keyring``, ``model_dir``: the running app's, for a resize from the router's process (whose
-    environment and files need not be the deploying shell's): the router's version must not move."""
+    environment and files need not be the deploying shell's): the router's version must not move.
+    ``scaler``: how the router resizes the pools (``scaling.scale`` redeploys the recorded config;
+    a declarative deploy passes ``scaling.scale_declared``)."""
     keyring = keyring if keyring is not None else load_keyring(config)
     model_dir = model_dir if model_dir is not None else str(resolve_model_dir(config.model, None))
     if config.disaggregated:
@@ -419,7 +427,7 @@ def build_app(config: ClusterConfig, keyring: KeyRing | None = None, model_dir: 
     }
     version = _version(RouterServer, (config.pools(), router_args, planner), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
-    return router.bind(decode, prefill, *router_args, scaler=scaling.scale, **planner)
+    return router.bind(decode, prefill, *router_args, scaler=scaler, **planner)
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
@@ -476,14 +484,62 @@ def scale_running_app(counts: dict[str, int], keyring: KeyRing, model_dir: str) 
     POST /pdserve/scale calls (cluster.scaling, in a thread: Serve's deploy blocks until it runs),
     with the running router's keyring and model directory."""
     config = scaled(running_config(), counts)
+    _check_fits(config, counts)
+    run_app(config, keyring, model_dir, wait_s=_RESIZE_WAIT_S)
+    return {pool: config.pool(pool).replicas for pool in config.pools()}
+
+
+def scale_declared_app(declared: ClusterConfig, counts: dict[str, int]) -> dict[str, int]:
+    """Resize the pools of an app deployed from a declarative config (a RayService's
+    serveConfigV2, whose application sets ``external_scaler_enabled: true``) to ``counts``, the
+    others as they run; returns every pool's count once Serve runs them. Serve's external scaling
+    API sets each deployment's target replicas; the config, which the operator owns and would put
+    back, is not redeployed. Runs in the router's replica (its app's name comes from there)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.exceptions import ExternalScalerDisabledError
+    from ray.serve.context import _get_global_client
+
+    app_name = serve.get_replica_context().app_name
+    running = {pool: _running_replicas(app_name, pool) for pool in declared.pools()}
+    config = scaled(scaled(declared, {pool: n for pool, n in running.items() if n >= 1}), counts)
+    _check_fits(config, counts)
+    controller = _get_global_client()._controller
+    for pool in counts:
+        target = DeploymentID(name=pool, app_name=app_name)
+        try:
+            ray.get(controller.update_deployment_replicas.remote(target, config.pool(pool).replicas), timeout=60)
+        except ExternalScalerDisabledError as exc:
+            raise ConfigError(
+                f"application {app_name!r} was deployed without external_scaler_enabled: true, which "
+                "a declared app needs to be resized in place (set it beside import_path in serveConfigV2)"
+            ) from exc
+    deadline = time.monotonic() + _RESIZE_WAIT_S
+    for pool in counts:
+        while _running_replicas(app_name, pool, only_running=True) != config.pool(pool).replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Serve did not run {counts} within {_RESIZE_WAIT_S:.0f} s")
+            time.sleep(0.5)
+    return {pool: config.pool(pool).replicas for pool in config.pools()}
+
+
+def _running_replicas(app_name: str, pool: str, only_running: bool = False) -> int:
+    """The pool's replicas Serve runs now; with ``only_running``, -1 while any is starting or
+    draining (a resize is done when the target runs and nothing else)."""
+    status = serve.status().applications.get(app_name)
+    deployment = status.deployments.get(pool) if status is not None else None
+    states = dict(deployment.replica_states) if deployment is not None else {}
+    if only_running and any(state != "RUNNING" and count for state, count in states.items()):
+        return -1
+    return int(states.get("RUNNING", 0))
+
+
+def _check_fits(config: ClusterConfig, counts: dict[str, int]) -> None:
     available = ray.cluster_resources()
     for resource, needed in resources_needed(config).items():
         if needed > available.get(resource, 0.0):  # Serve would wait for them forever
             raise ConfigError(
                 f"{counts} needs {needed:g} {resource} of Ray's; the cluster has {available.get(resource, 0):g}"
             )
-    run_app(config, keyring, model_dir, wait_s=_RESIZE_WAIT_S)
-    return {pool: config.pool(pool).replicas for pool in config.pools()}
 
 
 # How long a resize waits for Serve to run the new counts (replicas to start, leaving ones to drain)

@@ -14,8 +14,10 @@ settings stay as ``args`` give them, as on a joined cluster (``ray_address``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
+from cluster import scaling
 from cluster.app import build_app
 from cluster.cluster_config import ClusterConfig
 from common.errors import ConfigError
@@ -33,10 +35,6 @@ def cluster_config(args: Mapping[str, object]) -> ClusterConfig:
             f"dtype='auto' with device='cpu' in {ARGS_SOURCE}: every replica would probe its own; "
             "set dtype to float32 (or bfloat16 on CPUs with AMX)"
         )
-    if config.planner.enabled:
-        # It resizes through the config `pdserve serve` records in the Ray cluster, which a
-        # declarative deploy does not record (and KubeRay would put its own config back).
-        raise ConfigError(f"planner.enabled in {ARGS_SOURCE}: size the pools in the manifest instead")
     return config
 
 
@@ -45,4 +43,7 @@ def app(args: dict[str, object]):
     for ``args``. API keys come from the build task's environment (PDSERVE_API_KEYS,
     PDSERVE_ADMIN_KEY) or ``api_keys_file``; the model path must resolve to the same directory on
     every node (a model baked into the image, or one volume mounted at one path everywhere)."""
-    return build_app(cluster_config(args))
+    config = cluster_config(args)
+    # Resizes (pdserve scale, POST /pdserve/scale, the SLO planner) go through Serve's external
+    # scaling API: the application must set external_scaler_enabled: true (deploy/rayservice.yaml).
+    return build_app(config, scaler=functools.partial(scaling.scale_declared, config))

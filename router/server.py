@@ -426,8 +426,9 @@ class RouterServer:
 
     async def scale(self, request: Request) -> Any:
         """Admin: resize pools, ``{"decode": 2}``; answers once Serve runs the new counts (the
-        scaler, cluster.app.scale_running_app, redeploys with only num_replicas changed and this
-        router's own keyring and model directory: the router and its streams stay). One resize
+        scaler, cluster.scaling's: a local cluster's redeploys with only num_replicas changed and
+        this router's own keyring and model directory; a declared app's sets the targets through
+        Serve's external scaling API; either way the router and its streams stay). One resize
         at a time: 409 while one runs, even one whose caller left."""
         try:
             self.keyring.check_admin(request.headers.get("authorization"))

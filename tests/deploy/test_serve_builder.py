@@ -74,6 +74,8 @@ def test_the_builder_returns_the_app_whose_deployments_the_config_overrides(
         code = built[override["name"]].ray_actor_options or {}
         kept = {key: override.get("ray_actor_options", {}).get(key) for key in code}
         assert kept == code, f"{override['name']}: the override drops or changes {code}"
+    # Resizes go through Serve's external scaling API, which the application must turn on.
+    assert manifest_app.get("external_scaler_enabled") is True
 
 
 def test_the_builder_refuses_args_that_cannot_work() -> None:
@@ -85,5 +87,5 @@ def test_the_builder_refuses_args_that_cannot_work() -> None:
         cluster_config({"device": "cpu", "dtype": "auto"})
     with pytest.raises(ConfigError, match="kv_advertise_host"):
         cluster_config({"transport": "tcp", "kv_host": "0.0.0.0"})
-    with pytest.raises(ConfigError, match=r"planner\.enabled"):
-        cluster_config({"mode": "disagg", "planner": {"enabled": True}})
+    # The planner resizes a declared app through Serve's external scaling API: allowed.
+    assert cluster_config({"mode": "disagg", "planner": {"enabled": True}}).planner.enabled
