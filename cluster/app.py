@@ -502,7 +502,10 @@ def scale_declared_app(declared: ClusterConfig, counts: dict[str, int]) -> dict[
     app_name = serve.get_replica_context().app_name
     running = {pool: _running_replicas(app_name, pool) for pool in declared.pools()}
     config = scaled(scaled(declared, {pool: n for pool, n in running.items() if n >= 1}), counts)
-    _check_fits(config, counts)
+    if any(n > running.get(pool, 0) for pool, n in counts.items()):
+        # Only growth can fail to fit; a shrink must pass even while a lost pod leaves a pool
+        # short of the count it is checked at.
+        _check_fits(config, counts)
     controller = _get_global_client()._controller
     for pool in counts:
         target = DeploymentID(name=pool, app_name=app_name)

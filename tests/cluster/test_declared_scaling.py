@@ -68,6 +68,13 @@ def test_a_declared_app_is_resized_in_place_and_its_config_is_left_as_applied(de
     assert code == 200 and answer["replicas"] == {"prefill": 2, "decode": 1}, answer
     assert _running("prefill") == {"RUNNING": 2} and _running("decode") == {"RUNNING": 1}
     assert len(get_json(url + "/pdserve/status")["pools"]["prefill"]) == 2
+    # KubeRay applies the same config again (its reconcile loop, a restarted operator): the size stays.
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    time.sleep(3)  # several of Serve's control loops
+    assert _running("prefill") == {"RUNNING": 2}
     code, _, answer = post(
         url + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4}
     )
