@@ -141,7 +141,8 @@ def run_worker(
             elif op == "shutdown":
                 break
             if has_connector and op in ("step", "connector"):
-                tp.gather_bytes_to_driver(runner.connector_end_step(None))
+                report = runner.connector_report(None).to_wire()
+                tp.gather_bytes_to_driver(msgpack.packb(report, use_bin_type=True))
     finally:
         if runner is not None:
             runner.close()
@@ -270,8 +271,12 @@ class Executor:
     def finish_step(self, sampled: dict[str, int] | None) -> list[ShardReport]:
         """Every shard's connector report for the step just run (rank order)."""
         with self._guard():
-            reports = self.tp.gather_bytes_to_driver(self.driver.connector_end_step(sampled)) or []
-        return [ShardReport.from_wire(msgpack.unpackb(r, raw=False)) if r else ShardReport() for r in reports]
+            own = self.driver.connector_report(sampled)
+            if self.world_size == 1:
+                return [own]
+            # msgpack only for the other shards' reports: they cross a process.
+            others = (self.tp.gather_bytes_to_driver(b"") or [])[1:]
+        return [own, *(ShardReport.from_wire(msgpack.unpackb(r, raw=False)) for r in others)]
 
     @contextlib.contextmanager
     def _guard(self):

@@ -6,13 +6,12 @@ import logging
 import os
 from pathlib import Path
 
-import msgpack
 import torch
 
 from common.config import EngineConfig
 from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
-from common.kv_messages import ConnectorStep
+from common.kv_messages import ConnectorStep, ShardReport
 from engine.attention import StepTensors, get_backend
 from engine.cpu_kernels import kernels_for
 from engine.cpu_kernels.prefill_probe import use_tiled_prefill
@@ -120,11 +119,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # after start-up's one-off allocations: only the steps' reuse matters
 
-    def connector_end_step(self, sampled: dict[str, int] | None) -> bytes:
-        """This shard's connector report for the step, msgpack-encoded (b"" without a connector)."""
-        if self.connector is None:
-            return b""
-        return msgpack.packb(self.connector.end_step(sampled).to_wire(), use_bin_type=True)
+    def connector_report(self, sampled: dict[str, int] | None) -> ShardReport:
+        """This shard's connector report for the step (an empty one without a connector)."""
+        return self.connector.end_step(sampled) if self.connector is not None else ShardReport()
 
     def close(self) -> None:
         if self.connector is not None:
