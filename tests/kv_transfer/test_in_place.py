@@ -19,6 +19,7 @@ from kv_transfer.backends import torch_dist
 from kv_transfer.backends.torch_dist import TorchDistTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.receiver import NotInPlace
+from kv_transfer.sending.worker import SendWorker
 from kv_transfer.transport import KVChannel, TransferRefused
 from tests.kv_transfer.harness import (
     assert_bit_exact,
@@ -477,36 +478,46 @@ def test_runs_must_be_consecutive_on_the_receiving_side_too():
 @pytest.mark.parametrize("backend", ["torch", "grpc", "shm", "tcp"])
 def test_small_layers_queued_together_are_copied_into_one_message(backend, monkeypatch):
     transport = transport_named(backend)
-    gate, chunks = threading.Event(), []
+    queued, chunks = threading.Event(), []
+    # The sender fell behind the forward pass: it takes its first layer only once every layer is
+    # queued. (Left to the scheduler, it sometimes took layer 0 alone, which rightly went in place.)
+    layers_behind = SendWorker._layers_behind
+
+    def behind_the_forward_pass(worker, first, held):
+        queued.wait(10)
+        return layers_behind(worker, first, held)
+
+    monkeypatch.setattr(SendWorker, "_layers_behind", behind_the_forward_pass)
     connect = transport.connect
 
-    def gated_connect(endpoint):
+    def recording_connect(endpoint):
         channel = connect(endpoint)
         channel.in_place_min_piece_bytes = 1 << 30  # what a gloo channel sets; tcp sends any piece in place
         for name in ("send", "send_staged"):
             original = getattr(channel, name, None)
 
             def recording(header, payload, timeout_s, tag=None, original=original):
-                gate.wait(10)  # the sender is busy while the forward pass queues more layers
                 chunks.append(msgpack.unpackb(msgpack.unpackb(header)["body"]))
                 return original(header, payload, timeout_s, tag)
 
             setattr(channel, name, recording)
         return channel
 
-    monkeypatch.setattr(transport, "connect", gated_connect)
+    monkeypatch.setattr(transport, "connect", recording_connect)
     try:
         receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, num_layers=6)
-        gate.set()
+        queued.set()
         _done(receivers, senders)
         layers = [
             entry[0] for chunk in chunks if chunk["kind"] == "layer" for entry in chunk["batch"] or [[chunk["layer"]]]
         ]
-        assert sorted(layers) == list(range(6)) and len(chunks) <= 3  # 6 layers in at most 2 messages, and "done"
+        assert layers == list(range(6))
+        assert [chunk["kind"] for chunk in chunks].count("layer") == 1  # all 6 in one message
         assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
         assert receivers[0].stats("req-1").in_place_bytes == 0
         senders[0].close()
     finally:
+        queued.set()
         transport.shutdown()
 
 
