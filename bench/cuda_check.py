@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS_DIR, exact_length_prompts, print_table, write_json
+from bench.oracle import hf_greedy, load_hf
 from bench.random_model import build_smol_shaped, build_tiny_llama
 from common.config import (
     CacheConfig,
@@ -65,24 +66,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _hf(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
-    model.eval()
-    return model
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        out = model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, temperature=None, top_p=None
-        )
-    return out[0, len(ids) :].tolist()
-
-
 def _prompts(tokenizer, long_tokens: int) -> list[list[int]]:
     prompts = [tokenizer.encode(t) for t in TEXTS]
     prompts.append(exact_length_prompts(tokenizer, 1, long_tokens)[0])  # several prefill chunks
@@ -91,7 +74,7 @@ def _prompts(tokenizer, long_tokens: int) -> list[list[int]]:
 
 def check_oracle(name: str, model_dir: Path, device: torch.device, long_tokens: int, new_tokens: int) -> list[dict]:
     """pdserve's greedy output against transformers' on ``device``, float32; a second pass hits the prefix cache."""
-    hf = _hf(model_dir, torch.float32, device)
+    hf = load_hf(model_dir, torch.float32, device)
     tokenizer = load_tokenizer(model_dir)
     prompts = _prompts(tokenizer, long_tokens)
     expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
@@ -163,7 +146,7 @@ def disagg_pair(model_dir: Path, device: torch.device, backend: str, prompts, ex
 
 
 def check_disagg(model_dir: Path, device: torch.device, backends: list[str], long_tokens: int, new_tokens: int):
-    hf = _hf(model_dir, torch.float32, device)
+    hf = load_hf(model_dir, torch.float32, device)
     prompts = _prompts(load_tokenizer(model_dir), long_tokens)
     expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
     del hf
@@ -314,7 +297,7 @@ def speed(model_dir: Path, device: torch.device, sizes: list[int], input_len: in
             outs = llm.generate(prompts, params, use_tqdm=False)
             ours = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-        hf = _hf(model_dir, torch.bfloat16, device)
+        hf = load_hf(model_dir, torch.bfloat16, device)
         batch = torch.tensor(prompts, device=device)
         kwargs = {"attention_mask": torch.ones_like(batch), "do_sample": False}
         with torch.inference_mode():

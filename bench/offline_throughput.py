@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import exact_length_prompts, print_table, write_json
+from bench.oracle import load_hf
 from common.sampling_params import SamplingParams
 from engine import LLM
 
@@ -82,14 +83,6 @@ def run_pdserve(model_dir, prompts, lengths, dtype, batch_size) -> tuple[float, 
         floor = gemm_floor(llm.engine, prompts, lengths, batch_size)
     assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
     return elapsed, floor
-
-
-def _hf_model(model_dir, dtype):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    model.eval()
-    return model
 
 
 def run_hf_generate(model, prompts, lengths, batch_size) -> float:
@@ -172,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
             floor = prefill_floor + decode_floor
             timings: dict[str, float | str] = {"pdserve": ours_s}
             gc.collect()
-            model = _hf_model(model_dir, dtype)
+            model = load_hf(model_dir, getattr(torch, dtype))
             timings["transformers generate"] = run_hf_generate(model, prompts, lengths, batch_size)
             if not args.skip_hf_continuous and workload == "fixed":
                 try:

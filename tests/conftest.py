@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.oracle import hf_greedy, load_hf
 from bench.random_model import build_tiny_llama
 
 # Keep each process to the cores it has; TP tests run several shards on this 2-core machine.
@@ -30,33 +31,6 @@ def smol_dir() -> Path:
 @pytest.fixture(scope="session")
 def hf_smol(smol_dir):
     return load_hf(smol_dir)
-
-
-def load_hf(model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-    return model
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy decoding of one unpadded prompt: the correctness oracle."""
-    import torch
-
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="session")

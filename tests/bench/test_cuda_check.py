@@ -24,8 +24,8 @@ def test_the_oracle_check_passes_on_cpu_and_catches_a_wrong_model(tmp_path, smol
     assert len(rows) == 10 and all(r["equal"] for r in rows)
     # Another seed's weights under the same name: transformers' tokens come from the first model.
     other = cuda_check.build_tiny_llama(tmp_path / "other", smol_dir, seed=1)
-    real_hf = cuda_check._hf
-    monkeypatch.setattr(cuda_check, "_hf", lambda _dir, dtype, device: real_hf(tiny_dir, dtype, device))
+    real_hf = cuda_check.load_hf
+    monkeypatch.setattr(cuda_check, "load_hf", lambda _dir, dtype, device: real_hf(tiny_dir, dtype, device))
     rows = cuda_check.check_oracle("other", other, torch.device("cpu"), long_tokens=80, new_tokens=6)
     assert not any(r["equal"] for r in rows)
 

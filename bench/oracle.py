@@ -1,0 +1,37 @@
+"""The correctness oracle: transformers' own model and its greedy decoding of one unpadded prompt.
+
+The tests compare pdserve against it on CPU, and ``bench.cuda_check`` on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def load_hf(model_dir: Path, dtype: Any = None, device: Any = "cpu") -> Any:
+    """transformers' model from ``model_dir`` (float32 unless ``dtype``), in eval mode on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32).to(device)
+    model.eval()
+    return model
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy decoding of ``prompt_ids``, on the model's device: the new token ids."""
+    import torch
+
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return out[0, len(prompt_ids) :].tolist()
