@@ -71,6 +71,31 @@ def resolve_auto_dtype(device: torch.device) -> str:
     return probe.choice
 
 
+def advise_on_bfloat16(device: torch.device) -> DtypeProbe | None:
+    """An explicit bfloat16 on a CPU that multiplies float32 faster (no AVX512_BF16 or AMX: torch
+    then runs bf16 products in its own emulated loops): it runs, correctly, and says once that
+    float32 would be faster here. Returns the probe that said so, else None."""
+    if device.type != "cpu":
+        return None
+    probe = probe_cpu_matmul()
+    if probe.bfloat16_gflops >= probe.float32_gflops:
+        return None
+    _warn_slow_bfloat16(probe)
+    return probe
+
+
+@functools.cache
+def _warn_slow_bfloat16(probe: DtypeProbe) -> None:
+    logger.warning(
+        "dtype=bfloat16 on this CPU is emulated, not native (products %dx%dx%d: bfloat16 %.0f GFLOP/s, float32 "
+        "%.0f GFLOP/s): output is correct, but --dtype float32 (or auto) would run %.1fx faster here",
+        *_PROBE_SHAPE,
+        probe.bfloat16_gflops,
+        probe.float32_gflops,
+        probe.float32_gflops / probe.bfloat16_gflops,
+    )
+
+
 @functools.cache
 def _log_choice(probe: DtypeProbe) -> None:
     logger.info(

@@ -85,6 +85,27 @@ class ProcessLauncher(WorkerLauncher):
         return _ProcessHandle(process)
 
 
+@dataclasses.dataclass(frozen=True)
+class HostCores:
+    """A process's torch thread count and core affinity. A TP driver in its host's process sets
+    both to its slice (``use_cores``); an offline engine gives them back when it shuts down, or a
+    script (or a test suite) that closed a TP=2 engine ran everything after it on one thread."""
+
+    threads: int
+    affinity: frozenset[int] | None
+
+    @classmethod
+    def now(cls) -> HostCores:
+        affinity = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(torch.get_num_threads(), affinity)
+
+    def restore(self) -> None:
+        if self.affinity is not None and frozenset(os.sched_getaffinity(0)) != self.affinity:
+            pin_process(sorted(self.affinity))
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+
 def instance_cores(config: EngineConfig) -> list[int]:
     """The cores the whole instance runs on: those it was given (a serving replica's claim), else
     every core this process may use (an offline engine takes the machine)."""
@@ -180,6 +201,8 @@ class Executor:
             model = dataclasses.replace(config.model, dtype=resolve_auto_dtype(device))
             config = dataclasses.replace(config, model=model)
         self.world_size = config.parallel.tensor_parallel_size
+        # What the host process had before the driver took its slice: given back at shutdown.
+        self._host_cores = HostCores.now()
         if device.type == "cpu" and (self.world_size > 1 or config.parallel.cpu_cores):
             # The driver shares its process with its host (an offline script, a serving replica):
             # pinned only to cores given to it, never to a slice of cores it was not given.
@@ -357,6 +380,8 @@ class Executor:
             finally:
                 self._kill_workers()
                 self.tp.destroy()  # local teardown only, safe once the shards are gone
+        if getattr(self, "_host_cores", None) is not None:
+            self._host_cores.restore()
 
     def _kill_workers(self) -> None:
         for worker in self.workers:

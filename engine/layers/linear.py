@@ -25,21 +25,25 @@ _PACKING_ROWS_HINT = 2048
 
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this engine's linear weights are kept pre-packed in oneDNN's layout, on a CPU build
-    of torch with oneDNN: float32 on AVX-512 CPUs (where it was measured), bfloat16 where oneDNN
-    runs it (AVX-512 BW/VL/DQ or newer; elsewhere it refuses to pack). F.linear hands a plain
-    weight to oneDNN (bfloat16) or MKL (float32), and oneDNN reorders it into its blocked layout
-    again on every call. Packed once at load, SmolLM2's products on a 2-core EPYC (AVX512-BF16, no AMX):
-    bfloat16 12 ms instead of 21 at one row, 17 instead of 27 at 64, 187 instead of 225-352 at
-    2,048; float32 (against MKL on column-major weights, cold caches, whole engine steps) a
-    prefill step of 8 x 256 tokens 2.7-2.9 s instead of 3.4-4.4, decode at 16 sequences 62-64 ms
-    instead of 117-204, at one sequence 34-37 ms instead of 43-48."""
+    of torch with oneDNN: float32 on AVX2 and AVX-512 CPUs (where it was measured), bfloat16 where
+    oneDNN runs it (AVX-512 BW/VL/DQ or newer; elsewhere it refuses to pack). F.linear hands a
+    plain weight to oneDNN (bfloat16) or MKL (float32), and oneDNN reorders it into its blocked
+    layout again on every call. Packed once at load, SmolLM2's products on a 2-core EPYC
+    (AVX512-BF16, no AMX): bfloat16 12 ms instead of 21 at one row, 17 instead of 27 at 64, 187
+    instead of 225-352 at 2,048; float32 (against MKL on column-major weights, cold caches, whole
+    engine steps) a prefill step of 8 x 256 tokens 2.7-2.9 s instead of 3.4-4.4, decode at 16
+    sequences 62-64 ms instead of 117-204, at one sequence 34-37 ms instead of 43-48."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     if dtype == torch.float32:
-        # Measured only on AVX-512 CPUs; elsewhere (AVX2, Arm) MKL on column-major weights stays.
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        # Measured on x86 only; elsewhere (Arm) MKL's or OpenBLAS's product on column-major weights
+        # stays. On AVX2 (emulated on an AVX-512 EPYC: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2,
+        # MKL_ENABLE_INSTRUCTIONS=AVX2), the offline job of 64 x 256/64 tokens took 43.6-48.8 s
+        # packed against 51.2-53.2 s through MKL (README, "bfloat16 on CPUs without it").
+        capability = torch.backends.cpu.get_cpu_capability()
+        return capability.startswith("AVX512") or capability == "AVX2"
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,3 +298,19 @@ def test_the_prefill_probe_times_both_paths_and_a_pin_overrides_it(monkeypatch):
         prefill_probe.use_tiled_prefill.cache_clear()
         assert prefill_probe.use_tiled_prefill(KERNELS, torch.float32, 9, 3, 64) is expected
     prefill_probe.use_tiled_prefill.cache_clear()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISAs")
+def test_the_kernels_follow_torchs_isa_so_one_variable_emulates_an_avx2_machine(tmp_path):
+    """With torch held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``, as on our AVX2-only machines), the
+    kernels are built without AVX-512 as well: no native bf16 rounding, whatever this CPU has."""
+    probe = (
+        "import torch; from engine.cpu_kernels import cpu_kernels; k = cpu_kernels(); "
+        "print(torch.backends.cpu.get_cpu_capability(), k is not None and k.bf16_rounding_is_native)"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PDSERVE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["AVX2", "False"]
+    (built,) = (tmp_path / "kernels").glob("*.so")
+    assert b"vcvtneps2bf16" not in subprocess.run(["objdump", "-d", str(built)], capture_output=True).stdout

@@ -8,6 +8,7 @@ import torch
 
 from engine import dtype_probe
 from engine.dtype_probe import BFLOAT16_MARGIN, DtypeProbe, probe_cpu_matmul, resolve_auto_dtype
+from engine.model_runner import resolve_dtype
 
 
 def test_bfloat16_only_when_it_wins_by_the_margin():
@@ -47,3 +48,17 @@ def test_a_local_cpu_cluster_resolves_auto_once_for_all_replicas(monkeypatch):
     assert with_resolved_dtype(explicit) is explicit
     remote = dataclasses.replace(ClusterConfig(device="cpu"), ray_address="ray://elsewhere:10001")
     assert with_resolved_dtype(remote).dtype == "auto"  # this machine's CPU says nothing of the remote one
+
+
+def test_an_explicit_bfloat16_on_a_cpu_without_it_runs_and_says_float32_is_faster(monkeypatch, caplog):
+    emulated, native = DtypeProbe(float32_gflops=160, bfloat16_gflops=31), DtypeProbe(200, 470)
+    monkeypatch.setattr(dtype_probe, "probe_cpu_matmul", lambda: emulated)
+    with caplog.at_level("WARNING", logger="engine.dtype_probe"):
+        assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # runs: it is correct, only slow
+    assert "--dtype float32 (or auto) would run 5.2x faster here" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(dtype_probe, "probe_cpu_matmul", lambda: native)
+    with caplog.at_level("WARNING", logger="engine.dtype_probe"):
+        assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+        assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert caplog.text == ""

@@ -1,4 +1,5 @@
-"""An instance given cores (a serving replica's claim) pins each shard's process to its own slice."""
+"""An instance given cores (a serving replica's claim) pins each shard's process to its own slice;
+an instance sharing its host's process gives the host its threads and cores back when it closes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from common.cpu_cores import host_cores, pin_process
+from common.cpu_cores import host_cores, pin_process, split_cores
 from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -35,7 +36,28 @@ def test_each_shard_runs_on_its_slice_of_the_instances_cores(tiny_dir):
         while engine.has_unfinished_requests():
             outputs.extend(engine.step())
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+        engine.shutdown()
+        assert set(os.sched_getaffinity(0)) == set(before) and torch.get_num_threads() == threads
     finally:
         engine.shutdown()
-        pin_process(before)  # the test process is everyone's: give it its cores back
+        pin_process(before)  # the test process is everyone's: never leave it pinned, even on failure
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(host_cores()) < 2, reason="needs two cores")
+def test_an_offline_tp_engine_gives_its_hosts_threads_back(tiny_dir):
+    """A TP=2 driver in a script's process runs on its half of the cores while it lives. Before
+    it gave them back, a suite ran every test after its first TP=2 engine on one thread (the
+    bfloat16 agreement tests went past their timeout on an AVX2 machine that way)."""
+    threads = torch.get_num_threads()
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_dir)),
+        cache=CacheConfig(kv_cache_memory=8 * 2**20),
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    engine = LLMEngine(config)
+    try:
+        assert torch.get_num_threads() == len(split_cores(0, 2, host_cores()))
+    finally:
+        engine.shutdown()
+    assert torch.get_num_threads() == threads

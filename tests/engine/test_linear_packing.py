@@ -91,3 +91,14 @@ def test_packing_releases_the_plain_weights_but_not_the_tied_embedding(tiny_dir)
     assert embedding.untyped_storage().nbytes() == embedding.numel() * 2  # rows still looked up
     if model.shape.tie_word_embeddings:
         assert model.lm_head.weight is embedding
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unpacked_weights_are_column_major_for_float32_only(tiny_dir, monkeypatch, dtype):
+    """Where torch cannot pack (bfloat16 on an AVX2-only CPU): MKL's float32 product ran faster
+    on column-major weights, torch's own bfloat16 loops 14-16x slower (the bfloat16 tests took
+    14 minutes each on such a machine), so bfloat16 weights stay as the checkpoint lays them."""
+    monkeypatch.setattr(model_runner, "cpu_packing_available", lambda device, dtype: False)
+    for module in linear_modules(runner(tiny_dir, dtype).model):
+        weight = module.weight
+        assert weight.stride() == ((1, weight.shape[0]) if dtype == "float32" else (weight.shape[1], 1)), module
