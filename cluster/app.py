@@ -50,6 +50,16 @@ _ROUTER_CLASS = "router.serve_routing:PolicyRequestRouter"
 _ROUTER_CALL_TIMEOUT_S = 30.0
 
 
+def shard_resources(cpus: float, gpus: float) -> dict[str, float]:
+    """A shard actor's (and a replica's) Ray resource options."""
+    return {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
+
+
+def shard_bundle(cpus: float, gpus: float, custom: dict[str, float] | None) -> dict[str, float]:
+    """One shard's placement-group bundle."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
+
+
 def cpus_needed(config: ClusterConfig) -> float:
     return sum(
         config.pool(p).replicas * config.pool(p).tensor_parallel_size * config.pool(p).cpus_per_shard
@@ -255,6 +265,15 @@ def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None
     return config
 
 
+def with_resolved_gpu_budget(config: ClusterConfig) -> ClusterConfig:
+    """On GPUs the planner's budget, unless set, is the Ray cluster's GPUs: a shard each."""
+    if not (config.planner.enabled and config.planner.budget is None and config.gpus_per_shard):
+        return config
+    budget = int(ray.cluster_resources().get("GPU", 0) // config.gpus_per_shard)
+    logger.info("planner: its budget is the Ray cluster's %d GPUs", budget)
+    return dataclasses.replace(config, planner=dataclasses.replace(config.planner, budget=budget))
+
+
 def _cores_wanted(config: ClusterConfig) -> dict[str, int]:
     """Pool -> cores its replicas ask for, for the pools that set ``cores``."""
     return {p: config.pool(p).cores * config.pool(p).replicas for p in config.pools() if config.pool(p).cores}
@@ -286,11 +305,27 @@ def with_resolved_dtype(config: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(config, dtype=resolve_auto_dtype(pick_device(config.device)))
 
 
+def replica_placement(config: ClusterConfig, pool: str) -> dict:
+    """Where Serve places each of ``pool``'s replicas: a STRICT_PACK placement group of one bundle
+    per TP shard. The replica is shard 0 and takes bundle 0's CPUs and GPU; shard r
+    (``RayShardLauncher``) takes bundle r's. A GPU in each bundle keeps a GPU pool off GPU-less
+    nodes, gives each shard a GPU of its own, and lets a replica that finds none wait for one
+    (KubeRay's autoscaler adds GPU nodes for such demand); a pool's custom resources
+    (ray_resources) keep its replicas on the nodes that offer them."""
+    spec = config.pool(pool)
+    gpus = config.gpus_per_shard
+    return {
+        "ray_actor_options": shard_resources(spec.cpus_per_shard, gpus),
+        "placement_group_bundles": [shard_bundle(spec.cpus_per_shard, gpus, spec.ray_resources)]
+        * spec.tensor_parallel_size,
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
 def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
     spec = config.pool(pool)
     base = config.engine_config(pool)
     engine_config = dataclasses.replace(base, model=dataclasses.replace(base.model, model=model_dir))
-    tp = spec.tensor_parallel_size
     role = "prefill" if pool == "prefill" else "decode"
     options = {
         "name": pool,
@@ -298,10 +333,7 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
         "max_ongoing_requests": spec.max_ongoing_requests,
         # Bounded: beyond it the router answers 503 + Retry-After at once instead of queueing for minutes.
         "max_queued_requests": spec.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": spec.cpus_per_shard},
-        # A pool's custom resources (ray_resources) keep its replicas on the nodes that offer them.
-        "placement_group_bundles": [{"CPU": spec.cpus_per_shard, **(spec.ray_resources or {})}] * tp,
-        "placement_group_strategy": "STRICT_PACK",
+        **replica_placement(config, pool),
         "health_check_period_s": config.health_check_period_s,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -317,7 +349,7 @@ def _pool_deployment(config: ClusterConfig, pool: str, model_dir: str):
             request_routing_stats_timeout_s=5.0,
         ),
     }
-    launcher = RayShardLauncher(spec.cpus_per_shard)
+    launcher = RayShardLauncher(spec.cpus_per_shard, config.gpus_per_shard)
     timeout_s = config.router.request_timeout_s
     tracing = (config.tracing, config.tracing_endpoint)
     if role == "prefill":
@@ -435,6 +467,9 @@ def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
     ``config`` as ``resolved`` returns it (what ``serve`` records), or as the caller wants it."""
     started = time.monotonic()
     start_ray(config)
+    config = with_resolved_gpu_budget(config)
+    if config.gpus_per_shard and not config.ray_address:
+        _check_fits(config, {pool: config.pool(pool).replicas for pool in config.pools()})
     start_serve(config)
     run_app(config)
     if blocking_ready:
@@ -551,8 +586,10 @@ _RESIZE_WAIT_S = 600.0
 
 
 def resources_needed(config: ClusterConfig) -> dict[str, float]:
-    """Every Ray resource the pools' placement groups reserve together (CPUs and ray_resources)."""
+    """Every Ray resource the pools' placement groups reserve together (CPUs, GPUs, ray_resources)."""
     needed: dict[str, float] = {"CPU": cpus_needed(config)}
+    if config.gpus_per_shard:
+        needed["GPU"] = config.gpus_per_shard * config.num_shards
     for pool in config.pools():
         spec = config.pool(pool)
         for resource, amount in (spec.ray_resources or {}).items():

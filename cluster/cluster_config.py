@@ -266,6 +266,11 @@ class ClusterConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be a {cls.__name__}")
         if not isinstance(self.router, RouterConfig):
             raise ConfigError(f"router={self.router!r} must be a RouterConfig")
+        if self.device.startswith("cuda:"):
+            raise ConfigError(
+                f"device={self.device!r}: a cluster's GPUs are Ray's to hand out, one to each shard "
+                "(it sets CUDA_VISIBLE_DEVICES per actor); use device: cuda (cuda:N is for the offline engine)"
+            )
         self._model_config()
         self._cache_config(self.pools()[0])  # validates the cache fields now
 
@@ -286,6 +291,17 @@ class ClusterConfig:
             # Decode replicas on this host read a prefill replica's blocks in place over shm.
             shared_memory=self.disaggregated and pool == "prefill" and self.transport in ("shm", "auto"),
         )
+
+    @property
+    def gpus_per_shard(self) -> float:
+        """Ray GPUs each shard asks for: one on CUDA (Ray then sets the shard's CUDA_VISIBLE_DEVICES
+        to its own GPU, which it sees as cuda:0), none on CPU. ``device: auto`` is resolved on the
+        host that deploys: against a remote Ray cluster from a host without GPUs, say ``cuda``."""
+        if self.device == "auto":
+            from engine.distributed.parallel import pick_device  # torch: only when asked
+
+            return 1.0 if pick_device("auto").type == "cuda" else 0.0
+        return 1.0 if self.device == "cuda" else 0.0
 
     @property
     def num_shards(self) -> int:

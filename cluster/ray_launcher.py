@@ -40,20 +40,33 @@ class RayShardHandle(WorkerHandle):
 
 
 class RayShardLauncher(WorkerLauncher):
-    """``cpus_per_shard`` must match the placement group's bundles (see cluster.app)."""
+    """``cpus_per_shard`` and ``gpus_per_shard`` must match the placement group's bundles (see
+    cluster.app). With a GPU per shard, Ray gives each shard actor its own GPU and sets its
+    CUDA_VISIBLE_DEVICES to it: every shard sees one GPU, as cuda:0."""
 
-    def __init__(self, cpus_per_shard: float = 1.0) -> None:
+    def __init__(self, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0) -> None:
         self.cpus_per_shard = cpus_per_shard
+        self.gpus_per_shard = gpus_per_shard
+
+    @property
+    def assigns_devices(self) -> bool:
+        return bool(self.gpus_per_shard)
 
     def __repr__(self) -> str:  # part of the deployment version (cluster.app): must be stable
-        return f"RayShardLauncher(cpus_per_shard={self.cpus_per_shard})"
+        return f"RayShardLauncher(cpus_per_shard={self.cpus_per_shard}, gpus_per_shard={self.gpus_per_shard})"
 
-    def launch(self, rank, world_size, init_method, config, model_dir) -> WorkerHandle:
-        group = get_current_placement_group()
+    def actor_options(self, rank: int) -> dict:
+        """Shard ``rank``'s actor options: its resources, in bundle ``rank`` of the replica's group."""
         options: dict = {"num_cpus": self.cpus_per_shard, "name": None}
+        if self.gpus_per_shard:
+            options["num_gpus"] = self.gpus_per_shard
+        group = get_current_placement_group()
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=rank
             )
-        actor = ShardActor.options(**options).remote()
+        return options
+
+    def launch(self, rank, world_size, init_method, config, model_dir) -> WorkerHandle:
+        actor = ShardActor.options(**self.actor_options(rank)).remote()
         return RayShardHandle(actor, actor.run.remote(rank, world_size, init_method, config, model_dir))

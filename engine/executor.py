@@ -29,7 +29,7 @@ from common.config import EngineConfig
 from common.cpu_cores import host_cores, pin_process, split_cores
 from common.errors import ConfigError
 from common.kv_messages import ConnectorStep, ShardReport
-from engine.distributed.parallel import TensorParallel, pick_device
+from engine.distributed.parallel import TensorParallel, pick_device, shard_device
 from engine.dtype_probe import resolve_auto_dtype
 from engine.model_runner import ModelRunner, check_model
 from engine.step_input import StepInput
@@ -52,6 +52,10 @@ class WorkerHandle(ABC):
 
 class WorkerLauncher(ABC):
     """Starts shard processes. ``launch`` must not block on the shard's start-up."""
+
+    # True where each shard's process is given a device of its own (Ray's GPU per shard actor):
+    # the driver's process then sees one GPU however many shards there are.
+    assigns_devices: bool = False
 
     @abstractmethod
     def launch(self, rank: int, world_size: int, init_method: str, config: dict, model_dir: str) -> WorkerHandle: ...
@@ -136,8 +140,9 @@ def run_worker(
         use_cores(
             rank, world_size, instance_cores(engine_config), pin=own_process or bool(engine_config.parallel.cpu_cores)
         )
+    device = shard_device(device, rank)
     if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     timeout = datetime.timedelta(seconds=engine_config.parallel.distributed_timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
@@ -193,6 +198,22 @@ def _wait_for_shards(store: dist.TCPStore, workers: list[WorkerHandle], timeout_
         time.sleep(0.05)
 
 
+def _check_gpus(device: torch.device, world_size: int, launcher: WorkerLauncher) -> None:
+    """Every shard on a GPU of its own: refused before any starts where this process's GPUs cannot
+    hold them (two shards on one GPU would fail NCCL's set-up; an index past the last GPU is a typo)."""
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise ConfigError(f"device={device} but no CUDA GPU is visible to this process")
+    if launcher.assigns_devices:
+        return  # each shard's process is handed its own (Ray: one GPU per shard actor)
+    first = device.index or 0
+    if first + world_size > visible:
+        raise ConfigError(
+            f"device={device} with tensor_parallel_size={world_size} needs GPUs {first}..{first + world_size - 1}; "
+            f"{visible} visible"
+        )
+
+
 class Executor:
     def __init__(self, config: EngineConfig, model_dir: Path, launcher: WorkerLauncher | None = None) -> None:
         check_model(config, model_dir)
@@ -217,13 +238,14 @@ class Executor:
         # dead shard until distributed_timeout_s, and its callers should not wait that long.
         self.on_failure: Callable[[str], None] | None = None
         self._watch_stop = threading.Event()
+        launcher = launcher or ProcessLauncher()
+        if device.type == "cuda":
+            _check_gpus(device, self.world_size, launcher)
+            device = shard_device(device, 0)
+            torch.cuda.set_device(device)
         if self.world_size == 1:
             tp = TensorParallel.single(device)
         else:
-            if device.type == "cuda" and torch.cuda.device_count() < self.world_size:
-                raise ConfigError(
-                    f"tensor_parallel_size={self.world_size} needs as many GPUs; {torch.cuda.device_count()} visible"
-                )
             timeout_s = config.parallel.distributed_timeout_s
             # Rank 0 serves the rendezvous store on a port the OS picks: no port race. TCPStore would
             # bind every interface whatever host it is given, so it gets a loopback socket of ours.
@@ -243,12 +265,9 @@ class Executor:
                 raise
             listener.detach()  # the store owns the socket from here on
             init_method = f"tcp://127.0.0.1:{store.port}"
-            launcher = launcher or ProcessLauncher()
             payload = config.to_dict()
             for rank in range(1, self.world_size):
                 self.workers.append(launcher.launch(rank, self.world_size, init_method, payload, str(model_dir)))
-            if device.type == "cuda":
-                device = torch.device("cuda", 0)
             try:
                 _wait_for_shards(store, self.workers, timeout_s)
                 self.shard_pids = [int(store.get(_shard_pid_key(rank))) for rank in range(1, self.world_size)]

@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from common.config import MIN_STALL_CHUNK_TOKENS, EngineConfig, EngineRole
 from common.errors import InvalidRequestError, OverloadedError
 from common.kv_events import KVCacheEvent, PrefixCacheStats
@@ -56,8 +58,11 @@ def _moving_average(old: float, new: float) -> float:
     return new if not old else (1 - _NEWEST_STEP_WEIGHT) * old + _NEWEST_STEP_WEIGHT * new
 
 
-def _generator(seed: int | None):
-    return make_generator(seed) if seed is not None else None
+def _generator(seed: int | None, device: torch.device):
+    """A seeded request's generator, on the device its logits are sampled on (a CPU generator
+    cannot draw into CUDA logits: torch raised, and the engine's thread ended with every request
+    of the replica)."""
+    return make_generator(seed, device) if seed is not None else None
 
 
 class LLMEngine:
@@ -158,7 +163,7 @@ class LLMEngine:
                 f"{len(self.scheduler.waiting)} requests are already waiting "
                 f"(max_num_waiting={self.config.scheduler.max_num_waiting}); retry later"
             )
-        self.outputs.add(request, text, _generator(request.sampling_params.seed))
+        self.outputs.add(request, text, _generator(request.sampling_params.seed, self.executor.driver.device))
         self.scheduler.add_request(request)
         if kv_ticket is not None:
             assert self.handoff is not None
@@ -180,7 +185,7 @@ class LLMEngine:
         request, _ = self._new_request(request_id, prompt_token_ids, params, cache_salt)
         block_ids = self.scheduler.reserve(request)
         if block_ids is not None:
-            self.outputs.add(request, None, _generator(request.sampling_params.seed))
+            self.outputs.add(request, None, _generator(request.sampling_params.seed, self.executor.driver.device))
         return block_ids
 
     @property

@@ -16,8 +16,9 @@ Failures (each attempt is a fresh request id on the pools, ``<id>.<attempt>``):
   replica has room for;
 - a decode replica dies mid-stream: the request resumes elsewhere as prompt + tokens already sent,
   asking for the remaining ``max_tokens`` — greedy output continues token for token. Requests
-  with stop strings cannot resume (text held back for stop matching died with the replica), so
-  they end with an error event, as does any request past ``max_retries``;
+  with stop strings cannot resume (text held back for stop matching died with the replica), nor
+  seeded samples (the new generator would restart from the seed), so they end with an error
+  event, as does any request past ``max_retries``;
 - a decode replica whose engine stopped refuses before any work ("unavailable"): the call is made
   again half a second later, not counted as a retry, until Serve routes it elsewhere or replaces
   the replica (a resumed stream waits for that, within its deadline; a request with nothing sent
@@ -477,6 +478,10 @@ def _why_not_resumable(params: SamplingParams) -> str | None:
         return "stop strings cannot be resumed (text held back for matching died with the replica)"
     if params.presence_penalty or params.frequency_penalty:
         return "presence/frequency penalties count output tokens only, which a resumed request would not"
+    if params.seed is not None and params.temperature > 0:
+        # The new replica's generator would start from the seed again and repeat the first draws:
+        # a continuation, but not the one the seed promises.
+        return "a seeded sample cannot be resumed exactly (the new replica's generator starts from the seed)"
     return None
 
 

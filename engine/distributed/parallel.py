@@ -20,6 +20,15 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
+def shard_device(device: torch.device, rank: int) -> torch.device:
+    """Shard ``rank``'s device. On CUDA, the ``rank``-th GPU from the requested one among those this
+    process sees: offline, ``cuda:N`` puts shard r on GPU N + r; under Ray each shard's process sees
+    only the GPU Ray gave it (CUDA_VISIBLE_DEVICES), so every shard is on its own GPU as cuda:0."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", ((device.index or 0) + rank) % max(1, torch.cuda.device_count()))
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

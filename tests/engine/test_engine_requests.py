@@ -323,3 +323,11 @@ def test_streaming_outputs_carry_only_the_step_s_tokens(engine):
     assert [lp for d in deltas for lp in d.new_logprobs] == final.outputs[0].logprobs
     assert [lp.token_id for lp in final.outputs[0].logprobs] == final.outputs[0].token_ids
     assert "".join(d.new_text for d in deltas) == final.outputs[0].text
+
+
+def test_a_seeded_requests_generator_is_on_the_device_its_logits_are(engine):
+    """On CUDA a CPU generator cannot draw into the logits: the step raised and the replica's engine
+    thread ended. Here both are the CPU; ``bench.gpu_check`` samples seeded rows on a GPU."""
+    engine.add_request("seeded", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=2))
+    assert engine.outputs.states["seeded"].generator.device == engine.executor.driver.device
+    run_to_completion(engine)

@@ -611,3 +611,13 @@ def test_a_stream_resumed_elsewhere_has_no_parts_its_first_attempt_took_them_alo
 def test_a_request_that_failed_carries_no_breakdown():
     deltas = run(Orchestrator(FakeDecode([{"die_after": 0}, {"die_after": 0}]), FakePrefill([]), max_retries=1), GREEDY)
     assert deltas[-1].finish_reason == "error" and deltas[-1].ttft_breakdown is None
+
+
+def test_a_seeded_sample_cannot_resume_but_a_seeded_greedy_request_does():
+    decode = FakeDecode([{"die_after": 3}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([])), SamplingParams(temperature=0.8, seed=7, max_tokens=8))
+    assert tokens(deltas) == TOKENS[:3] and len(decode.streams) == 1
+    assert deltas[-1].finish_reason == "error" and "seeded sample cannot be resumed" in deltas[-1].error
+    decode = FakeDecode([{"die_after": 3}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([])), SamplingParams(temperature=0, seed=7, max_tokens=8))
+    assert tokens(deltas) == TOKENS[:8] and len(decode.streams) == 2  # greedy ignores the seed: resumed
