@@ -96,7 +96,7 @@ def check_oracle(name: str, model_dir: Path, device: torch.device, long_tokens: 
 def _engine(model_dir: Path, device: torch.device, role, backend: str, receive: bool) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype="float32", device=device.type),
+            model=ModelConfig(model=str(model_dir), dtype="float32", device=str(device)),
             cache=CacheConfig(kv_cache_memory=512 * 2**20),
             scheduler=SchedulerConfig(role=role, max_prefill_chunk=256),
             parallel=ParallelConfig(tensor_parallel_size=1),

@@ -74,6 +74,7 @@ class LLMEngine:
         self.model_id = model_fingerprint((self.model_dir / "config.json").read_bytes())  # what KV tickets name
         self.executor = Executor(config, self.model_dir, launcher)
         runner = self.executor.driver
+        self._device = runner.device
         self.layout: KVCacheLayout = runner.layout
         self.vocab_size = runner.shape.vocab_size
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, config.cache.enable_prefix_caching)
@@ -290,7 +291,7 @@ class LLMEngine:
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
                 self.outputs.record_logprob(request_id, logprob)
-        self._record_prefill_steps(scheduled, started, time.monotonic())
+        self._record_prefill_steps(scheduled, started, self._step_ended(bool(sampled_ids)))
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
             output = self._emit_new_tokens(request)
@@ -337,6 +338,18 @@ class LLMEngine:
         if stall_s is None:
             return None
         return max(MIN_STALL_CHUNK_TOKENS, int(self.prefill_tokens_per_s * stall_s))
+
+    def _step_ended(self, synced: bool) -> float:
+        """When the step's device work ended. On CUDA the forward pass returns once its kernels are
+        queued: unless sampling read the sampled ids back (which waits for them), the step's end is
+        an event recorded after it and waited for (that event alone, not the whole device), or a
+        prompt-only step would time its launches and the prefill rate that routing, conditional
+        disaggregation and the planner read would be far too high."""
+        if not synced and self._device.type == "cuda":
+            ended = torch.cuda.Event()
+            ended.record()
+            ended.synchronize()
+        return time.monotonic()
 
     def _record_prefill_steps(self, scheduled: SchedulerOutput, started: float, ended: float) -> None:
         """Each prompt chunk's step on its request's timeline (its trace spans), and two moving

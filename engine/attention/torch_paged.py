@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
 from engine.cpu_kernels import DecodeAttention, PrefillAttention, kernels_for
@@ -82,11 +83,12 @@ class TorchPagedAttention(AttentionBackend):
         prefill_seqs = zip(step.query_lens[nd:], step.seq_lens[nd:], step.block_tables[nd:], strict=True)
         for q_len, seq_len, table in prefill_seqs:
             prefill = _Prefill(token_start=start, num_tokens=q_len, context_len=seq_len)
-            if seq_len > q_len and not tiled:  # SDPA's table and mask (q_len x seq_len: 64 MB at 2k x 32k)
+            if seq_len > q_len and not tiled:
                 num_blocks = -(-seq_len // block_size)
                 prefill.block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
-                query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+                if device.type == "cpu":  # CPU SDPA's flash kernel takes a boolean mask (64 MB at 2k x 32k)
+                    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                    prefill.mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
             meta.prefills.append(prefill)
             start += q_len
         if tiled and meta.prefills:
@@ -182,12 +184,30 @@ def attend_prefills(
         else:
             keys = key_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
             values = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
-            o = F.scaled_dot_product_attention(
-                query,
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                attn_mask=p.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
+            keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+            o = attend_after_context(query, keys, values, p.context_len, p.mask, scale)
         out[s : s + n] = o[0].transpose(0, 1)
+
+
+def attend_after_context(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    context_len: int,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A prefill chunk's query [1, Hq, n, D] against its whole context's keys/values [1, Hkv,
+    context_len, D], causal from the chunk's end. With a boolean mask (CPU, whose flash kernel
+    takes one) as it is. Without (CUDA): a mask together with enable_gqa sends CUDA's SDPA to its
+    math path, which materialises [Hq, n, context] scores (for an 8B model a 2,048-token chunk at
+    32k context, ~17 GB a layer), so K/V are expanded to the query heads (Hq x context x D, ~0.5 GB
+    there) and the causal offset goes as a lower-right causal bias, which the flash and
+    memory-efficient kernels take without a mask tensor."""
+    if mask is not None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = query.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    bias = causal_lower_right(query.shape[2], context_len)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
