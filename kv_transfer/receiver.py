@@ -22,17 +22,19 @@ landing per way above (CopiedLanding, PulledLanding, DirectLanding).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from common.kv_layout import KVCacheLayout
+from kv_transfer.device_streams import on_transfer_stream, settle
 from kv_transfer.errors import NotInPlace
 from kv_transfer.protocol import INTEGRITY_MODES, ChunkHeader
 from kv_transfer.receiving.cache import ReceivingCache
@@ -65,6 +67,15 @@ class ReceiveStatus:
     layers_complete: int  # layers whose every segment has landed (layer-wise progress)
 
 
+@contextlib.contextmanager
+def _settled(device: torch.device) -> Iterator[None]:
+    """The block's device work has run when it is left, raised or not."""
+    try:
+        yield
+    finally:
+        settle(device)
+
+
 class KVReceiver:
     def __init__(
         self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, backend: str = "", require_integrity: str = "none"
@@ -78,6 +89,7 @@ class KVReceiver:
         self.backend = backend
         self.refusals: Counter = Counter()  # reason -> count, for metrics
         cache = ReceivingCache.of(kv_caches, layout)
+        self._device = cache.device
         self._stacked = cache.stacked  # [layers, ...] when they share one allocation
         self._lock = threading.Lock()
         self._writes_ended = threading.Condition(self._lock)
@@ -132,6 +144,12 @@ class KVReceiver:
                 logger.error("releasing %s with a payload still in flight past its lease", request_id)
 
     # --- the transport's side --------------------------------------------------------------
+    def landing_stream(self) -> contextlib.AbstractContextManager[None]:
+        """What a transport's serving thread runs inside: with a GPU cache, the thread's device set
+        and its work on its own transfer stream (a receive into the blocks queued there is settled
+        before the chunk counts as landed), never the compute stream."""
+        return on_transfer_stream(self._device)
+
     def apply(
         self, raw_header: bytes, payload: memoryview | bytes, regions: Mapping[int, torch.Tensor] | None = None
     ) -> None:
@@ -143,8 +161,10 @@ class KVReceiver:
         from which a pulled chunk (``header.pulled``) is read in place instead of from ``payload``.
         """
         # The copies stay under the lock: once release() returns, no chunk of that request can
-        # still be writing into blocks the engine is about to reuse.
-        with self._lock:
+        # still be writing into blocks the engine is about to reuse. On a GPU they run on this
+        # thread's transfer stream, settled before the lock is let go: poll() (under the lock)
+        # sees a chunk landed only once its bytes are in the blocks.
+        with self._lock, on_transfer_stream(self._device), _settled(self._device):
             incoming, header = self._checks.authenticate(raw_header)
             self._completion.learn_senders(incoming, header)
             if header.kind == "done":
@@ -193,7 +213,11 @@ class KVReceiver:
         payload failed midway (``reason``; the request fails). Raises TransferRefused like ``apply``."""
         # Checksums outside the lock (a chunk may be hundreds of MB): the blocks stay reserved
         # until the write ends below, so nothing else can touch them meanwhile.
-        intact = self._direct.verify(write, received)
+        with on_transfer_stream(self._device):
+            # What the transport received into the blocks on this thread's stream (an NCCL receive
+            # queues it there) is in them before anything counts as landed.
+            settle(self._device)
+            intact = self._direct.verify(write, received)
         with self._lock:
             owner = write.incoming
             owner.end_write(write)
@@ -219,6 +243,7 @@ class KVReceiver:
             if i:
                 # Let poll() and expect() in between groups: a decode step must not wait behind a
                 # whole batch. The request may have ended meanwhile: then nothing more is written.
+                settle(self._device)  # what poll() may now see landed is in the blocks
                 self._lock.release()
                 self._lock.acquire()
                 request_id = layers[0].request_id

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from common.kv_layout import KVCacheLayout
+from kv_transfer.device_streams import layer_ready
 from kv_transfer.protocol import INTEGRITY_MODES
 from kv_transfer.resharding import segments_from
 from kv_transfer.sending.book import PushBook, SendStatus
@@ -100,8 +101,9 @@ class KVSender:
         self._worker.enqueue(CancelItem(request_id, reason))
 
     def send_layer(self, request_id: str, layer: int, kv_layer: torch.Tensor) -> None:
-        """Queue layer ``layer`` (this shard's [2, blocks, block_size, heads, head_dim] tensor)."""
-        self._worker.enqueue(LayerItem(request_id, layer, kv_layer))
+        """Queue layer ``layer`` (this shard's [2, blocks, block_size, heads, head_dim] tensor), on the
+        compute thread right after the layer's KV was written (on CUDA: queued on its stream)."""
+        self._worker.enqueue(LayerItem(request_id, layer, kv_layer, layer_ready(kv_layer)))
 
     def finish(self, request_id: str, first_token_id: int | None) -> None:
         """Queue the completion message after the last layer (carries prefill's first sampled token)."""

@@ -6,6 +6,7 @@ Backends are found by name through a lazy registry, so an unused backend's depen
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -36,6 +37,8 @@ class ChunkReceiver(Protocol):
     ) -> DirectWrite: ...
 
     def end_direct(self, write: DirectWrite, received: bool, reason: str = "") -> None: ...
+
+    def landing_stream(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class KVChannel(ABC):

@@ -136,10 +136,11 @@ class _KVTransferServicer:
             first = next(pieces, None)
             if not isinstance(first, Piece):
                 raise TransferRefused("a chunk must start with its header piece")
-            if first.in_place:
-                self._receive_in_place(first, pieces, context)
-            else:
-                self.receiver.apply(first.header, self._assemble(first, pieces))
+            with self.receiver.landing_stream():  # a GPU cache's copies off the compute stream
+                if first.in_place:
+                    self._receive_in_place(first, pieces, context)
+                else:
+                    self.receiver.apply(first.header, self._assemble(first, pieces))
         except NotInPlace as exc:
             return Ack(ok=False, reason=str(exc), declined=True)
         except TransferRefused as exc:

@@ -265,8 +265,9 @@ class _Endpoint:
         run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         try:
             buffer = bytearray(0)  # reused: apply() has copied the payload out when it returns
-            while not self.stopped.is_set():
-                buffer = self._serve_chunk(conn, buffer)
+            with self.receiver.landing_stream():  # a GPU cache's bounce copies off the compute stream
+                while not self.stopped.is_set():
+                    buffer = self._serve_chunk(conn, buffer)
         except (TimeoutError, ConnectionError, OSError) as exc:  # idle, the sender left, or broke the protocol
             logger.debug("tcp KV connection on port %d closed: %s", self.port, exc)
         except Exception:

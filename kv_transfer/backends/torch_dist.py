@@ -49,6 +49,7 @@ import atexit
 import contextlib
 import datetime
 import logging
+import os
 import socket
 import struct
 import threading
@@ -90,12 +91,21 @@ class TorchDistConfig:
     # release() must wait for (gloo's receive cannot be cut short from another thread).
     payload_stall_s: float = 1.0
     payload_min_bytes_per_s: float = 64e6
+    # A pair's NCCL group's own timeout, at least a KV lease: each wait still ends at its chunk's
+    # deadline (then the pair is aborted); past this the watchdog would report the group broken.
+    nccl_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("max_pairs", "max_payload_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"torch KV transport: {name}={getattr(self, name)} must be at least 1")
-        for name in ("connect_timeout_s", "pair_idle_s", "payload_stall_s", "payload_min_bytes_per_s"):
+        for name in (
+            "connect_timeout_s",
+            "pair_idle_s",
+            "payload_stall_s",
+            "payload_min_bytes_per_s",
+            "nccl_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"torch KV transport: {name}={getattr(self, name)} must be a positive number")
 
@@ -120,6 +130,34 @@ _devices: dict[str, object] = {}
 _devices_lock = threading.Lock()
 
 
+_nccl_env_lock = threading.Lock()
+
+
+def _kv_nccl_group(store: dist.Store, rank: int, timeout_s: float):
+    """A pair's NCCL group whose failures stay the pair's. Its operations' timeout is at least a
+    KV lease (each wait carries the chunk's own, shorter deadline: a timed-out wait raises here and
+    the pair is aborted). torch's watchdog tears the whole process down when an operation of a group
+    made under its default error handling outlives the group's timeout (an engine replica, for one
+    slow chunk); this group is made with that handling off (TORCH_NCCL_ASYNC_ERROR_HANDLING, read
+    when a group is made), so a failed or timed-out transfer fails its hand-off, never the process.
+    The engine's own TP groups keep the default."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = _td(timeout_s)
+    with _nccl_env_lock:
+        before = os.environ.get(_NCCL_ERROR_HANDLING)
+        os.environ[_NCCL_ERROR_HANDLING] = "0"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, 2, options)
+        finally:
+            if before is None:
+                os.environ.pop(_NCCL_ERROR_HANDLING, None)
+            else:
+                os.environ[_NCCL_ERROR_HANDLING] = before
+
+
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
 def _gloo_device(host: str):
     """One gloo TCP device (one listener, one event loop) per local address, shared by every pair."""
     with _devices_lock:
@@ -131,12 +169,15 @@ def _gloo_device(host: str):
 class _Pair:
     """One end of a pair's groups: receiver rank 0, sender rank 1. Gloo always; NCCL for CUDA payloads."""
 
-    def __init__(self, store: dist.Store, pair_id: int, rank: int, local_host: str, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store, pair_id: int, rank: int, local_host: str, timeout_s: float, nccl_timeout_s: float
+    ) -> None:
         self.store = store
         self.pair_id = pair_id
         self.rank = rank
         self.peer = 1 - rank
         self.timeout_s = timeout_s
+        self.nccl_timeout_s = max(timeout_s, nccl_timeout_s)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = _td(timeout_s)
         options._devices = [_gloo_device(local_host)]
@@ -151,10 +192,8 @@ class _Pair:
             assert self._gloo is not None, "pair used after close"
             return self._gloo
         if self._nccl is None:  # both sides get here on the first CUDA payload; NCCL connects lazily
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = _td(self.timeout_s)
-            self._nccl = dist.ProcessGroupNCCL(
-                dist.PrefixStore(f"pair/{self.pair_id}/nccl", self.store), self.rank, 2, options
+            self._nccl = _kv_nccl_group(
+                dist.PrefixStore(f"pair/{self.pair_id}/nccl", self.store), self.rank, self.nccl_timeout_s
             )
         return self._nccl
 
@@ -295,8 +334,10 @@ class _Endpoint:
         try:
             # The group keeps its own client of the store, so shutdown can close the listener under it.
             client = dist.TCPStore(self.host, self.port, is_master=False, timeout=_td(self.config.connect_timeout_s))
-            pair = _Pair(client, pair_id, 0, self.host, self.config.connect_timeout_s)
-            self._serve_pair(pair)
+            pair = _Pair(client, pair_id, 0, self.host, self.config.connect_timeout_s, self.config.nccl_timeout_s)
+            # NCCL receives and the landings after them on this thread's own stream, never the compute one.
+            with self.receiver.landing_stream():
+                self._serve_pair(pair)
         except (TimeoutError, ConnectionError, RuntimeError) as exc:  # the sender left, died or broke the protocol
             logger.debug("torch KV pair %d on port %d closed: %s", pair_id, self.port, exc)
         except Exception:
@@ -563,7 +604,7 @@ class _TorchDistChannel(KVChannel):
             store.delete_key(f"pair/{pair_id}/hello")
             if not verdict["ok"]:
                 raise ConnectionError(f"{self.endpoint} refused to pair: {verdict['reason']}")
-            self._pair = _Pair(store, pair_id, 1, local, end - time.monotonic())
+            self._pair = _Pair(store, pair_id, 1, local, end - time.monotonic(), self.config.nccl_timeout_s)
         except RuntimeError as exc:  # DistError: store or rendezvous
             message = str(exc).splitlines()[0]
             kind = TimeoutError if "timeout" in message.lower() or "timed out" in message.lower() else ConnectionError

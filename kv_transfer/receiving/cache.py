@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.kv_layout import KVCacheLayout
 from kv_transfer.block_copy import stacked_layers
+from kv_transfer.device_streams import HostStaging
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -18,6 +19,12 @@ class ReceivingCache:
     layout: KVCacheLayout
     dtype: torch.dtype  # the layout's
     stacked: torch.Tensor | None  # [layers, ...] when they share one allocation
+    # A GPU cache's payloads land through pinned host memory (used under the receiver's lock).
+    staging: HostStaging = field(default_factory=HostStaging)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_caches[0].device
 
     @classmethod
     def of(cls, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> ReceivingCache:

@@ -59,7 +59,12 @@ class CopiedLanding:
         source = torch.frombuffer(view, dtype=torch.uint8).view(first.dtype).view(len(layers), *first.shape)
         heads = slice(layers[0].dst_head_offset, layers[0].dst_head_offset + layers[0].num_heads)
         dst = self.cache.stacked[layers[0].layer : layers[-1].layer + 1, :, :, :, heads]
-        copy_blocks(dst, source.to(dst.device), self.checks.window(incoming, layers[0]).scatter, dim=2)
+        copy_blocks(
+            dst,
+            self.cache.staging.to_device(source, dst.device),
+            self.checks.window(incoming, layers[0]).scatter,
+            dim=2,
+        )
         self.completion.landed(incoming, layers, keys, per_layer * len(layers), in_place=False)
 
     def _target_view(self, header: ChunkHeader, payload: memoryview | bytes) -> torch.Tensor:
@@ -72,4 +77,4 @@ class CopiedLanding:
         if header.dst_head_offset + header.num_heads > layout.num_kv_heads:
             self.checks.refuse("shape", f"heads [{header.dst_head_offset}, +{header.num_heads}) exceed this shard")
         raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        return raw.view(self.cache.dtype).view(shape).to(self.cache.kv_caches[0].device)
+        return self.cache.staging.to_device(raw.view(self.cache.dtype).view(shape), self.cache.device)

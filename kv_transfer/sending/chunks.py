@@ -10,6 +10,7 @@ import torch
 
 from common.kv_layout import KVCacheLayout
 from kv_transfer.block_copy import BlockCopyPlan, copy_blocks
+from kv_transfer.device_streams import HostStaging
 from kv_transfer.protocol import ChunkHeader, payload_check
 from kv_transfer.resharding import HeadSegment
 from kv_transfer.sending.push import Push
@@ -44,6 +45,8 @@ class ChunkWriter:
         self.layout = layout
         self.integrity = integrity  # what each chunk's header carries to check its payload (protocol)
         self._scratch: dict[str, torch.Tensor] = {}
+        # GPU layers come to the host through pinned memory, reused (the sending thread's only).
+        self.host = HostStaging()
 
     def layer_header(
         self, push: Push, layer: int, seg: HeadSegment, nbytes: int, payload: memoryview | None
@@ -72,7 +75,14 @@ class ChunkWriter:
             flat = payload_view(kv)
             return self.check(ticket, *(flat[offset : offset + length] for offset, length in spans))
         flat_gpu = kv.view(-1).view(torch.uint8)  # only the pieces come to the host, not the whole layer
-        return self.check(ticket, *(payload_view(flat_gpu.narrow(0, offset, length).cpu()) for offset, length in spans))
+        host = self.host
+        return self.check(
+            ticket,
+            *(
+                payload_view(host.to_host(flat_gpu.narrow(0, offset, length), f"span{i}"))
+                for i, (offset, length) in enumerate(spans)
+            ),
+        )
 
     def gather_blocks(self, kv_layer: torch.Tensor, plan: BlockCopyPlan) -> torch.Tensor:
         """The window's source blocks of one layer, contiguous, in reused scratch memory.
@@ -93,7 +103,7 @@ class ChunkWriter:
             )
             part.copy_(blocks[:, :, :, head_offset : head_offset + num_heads])
             blocks = part
-        return blocks.cpu()
+        return self.host.to_host(blocks)
 
     def scratch_tensor(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -19,6 +19,8 @@ class LayerItem:
     request_id: str
     layer: int
     kv_layer: torch.Tensor
+    # CUDA: recorded on the compute stream after the layer's KV write; the transfer stream waits for it.
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,7 +154,7 @@ def send_copied_batch(
             copy_blocks(stacked[i], item.kv_layer.narrow(3, seg.src_head_offset, seg.num_heads), window.gather)
     checked = w.integrity != "none"  # (a GPU layer comes to the host only to be hashed)
     entries: list[list[int | bytes | None]] = [
-        [item.layer, -1, 0, w.check(ticket, payload_view(stacked[i].cpu())) if checked else None]
+        [item.layer, -1, 0, w.check(ticket, payload_view(w.host.to_host(stacked[i], "check"))) if checked else None]
         for i, item in enumerate(group)
     ]
     header = replace(
@@ -164,7 +164,7 @@ def send_copied_batch(
     if staging is not None:
         channel.send_staged(encoded, total, time_left(ticket), ticket.request_id)
     else:
-        channel.send(encoded, payload_view(stacked.cpu()), time_left(ticket), ticket.request_id)
+        channel.send(encoded, payload_view(w.host.to_host(stacked)), time_left(ticket), ticket.request_id)
     channels.sent_on(channel)
     push.stats.num_bytes += total
 

@@ -16,6 +16,7 @@ import threading
 import time
 
 from common.openmp import run_tensor_ops_serially
+from kv_transfer.device_streams import on_transfer_stream, wait_for
 from kv_transfer.sending.book import PushBook
 from kv_transfer.sending.channels import Channels
 from kv_transfer.sending.items import CancelItem, DoneItem, LayerItem, WindowItem, WorkItem
@@ -81,7 +82,11 @@ class SendWorker:
             try:
                 match item:
                     case LayerItem():
-                        self.pusher.send_layers(push, layers)
+                        # On the transfer stream, after the compute stream wrote each layer.
+                        with on_transfer_stream(item.kv_layer.device):
+                            for layer in layers:
+                                wait_for(layer.ready)
+                            self.pusher.send_layers(push, layers)
                     case WindowItem():
                         self.book.open_window(push, item.src_block_ids)
                     case CancelItem():

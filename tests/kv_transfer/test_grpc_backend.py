@@ -3,6 +3,7 @@ serving, payload limits, deadlines, and peers that die mid-transfer (real proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -228,6 +229,9 @@ class _StuckReceiver:
 
     def apply(self, raw_header, payload) -> None:
         self.release.wait(10)
+
+    def landing_stream(self):
+        return contextlib.nullcontext()
 
 
 def test_deadline_gives_timeout_error(transports):
