@@ -331,6 +331,12 @@ class Executor:
             self._steps_in_flight += 1
         try:
             yield
+        except torch.OutOfMemoryError:
+            # One shard ran out of memory in its own forward pass: nothing is out of step (the
+            # engine ends that step's requests). With more shards, the others may be inside the
+            # step's collectives: broken as any failure.
+            self._broken = self._broken or self.world_size > 1
+            raise
         except BaseException:
             self._broken = True
             raise

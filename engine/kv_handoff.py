@@ -79,6 +79,19 @@ class KVHandoff:
             self.cancelled.add(request_id)
             self._cancel.append(request_id)
 
+    def abandon(self, request_id: str) -> bool:
+        """The request's step failed (out of memory) with its push under way, mid-prompt or with its
+        last window ordered and its layers never all computed: cancelled as ``cancel`` does (the
+        caller holds the blocks until the transfer is reported terminal). Whether there was one."""
+        if request_id in self.pushing:
+            self.cancel(request_id)
+            return True
+        if request_id not in self.sending or request_id in self.cancelled:
+            return False
+        self.cancelled.add(request_id)
+        self._cancel.append(request_id)
+        return True
+
     def end_push(self, request_id: str) -> bool:
         """Forget a mid-prompt push (its prompt ended or it was cut off); whether there was one."""
         self.push_leases.pop(request_id, None)

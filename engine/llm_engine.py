@@ -33,7 +33,7 @@ from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, SamplingRequestState, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.step_input import build_step_input
+from engine.step_input import StepInput, build_step_input
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class LLMEngine:
         self.num_kv_pushes_cancelled = 0  # prefill role: pushes cut off mid-prompt (aborted, preempted)
         self.prefill_tokens_per_s = 0.0  # measured, see _record_prefill_steps; 0 until a prefill ran
         self.decode_step_s = 0.0  # a step with no prompt tokens (moving average); 0 until one ran
+        self.num_steps_out_of_memory = 0  # steps whose requests ended for want of device memory
         self.num_kv_transfer_failures = 0
 
     @property
@@ -228,12 +229,7 @@ class LLMEngine:
             # Part of its prompt's KV is on the wire: the push is cancelled now, and the blocks are
             # held until every shard reports it ended (the sending threads may still read them).
             self.handoff.cancel(request_id)
-            self.num_kv_pushes_cancelled += 1
-            request = self.scheduler.hold_for_handoff(request_id, status, error)
-            self.executor.connector_step(self.handoff.connector_step(None))
-            self._apply_handoff(self.executor.finish_step(None))
-            if request is not None and request_id in self.outputs.states:
-                self._outputs_outside_step.append(self.outputs.build(request_id))
+            self._end_cancelled_push(request_id, status, error)
             return
         if self.handoff is not None and request_id in self.handoff.sending:
             return  # its KV is on the wire: the blocks are released when the transfer ends
@@ -243,6 +239,17 @@ class LLMEngine:
             self.executor.connector_step(ConnectorStep(forget=[request_id]))
             self._apply_handoff(self.executor.finish_step(None))
         request = self.scheduler.finish_request(request_id, status, error)
+        if request is not None and request_id in self.outputs.states:
+            self._outputs_outside_step.append(self.outputs.build(request_id))
+
+    def _end_cancelled_push(self, request_id: str, status: RequestStatus, error: str | None) -> None:
+        """A request whose push was just cancelled ends; its blocks stay held until the shards report
+        the transfer ended."""
+        assert self.handoff is not None
+        self.num_kv_pushes_cancelled += 1
+        request = self.scheduler.hold_for_handoff(request_id, status, error)
+        self.executor.connector_step(self.handoff.connector_step(None))
+        self._apply_handoff(self.executor.finish_step(None))
         if request is not None and request_id in self.outputs.states:
             self._outputs_outside_step.append(self.outputs.build(request_id))
 
@@ -273,20 +280,18 @@ class LLMEngine:
         now = started = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
-        logits = self.executor.execute(step_input, plan)
+        try:
+            logits = self.executor.execute(step_input, plan)
+            result = None
+            if sampled_ids:
+                assert logits is not None
+                result = self.sampler(logits, self._sampling_rows(sampled_ids))
+        except torch.OutOfMemoryError as exc:
+            if self.executor.world_size > 1:
+                raise  # the other shards may be inside this step's collectives: the engine is done
+            return self._fail_step_out_of_memory(scheduled, step_input, exc)
         sampled: dict[str, int] = {}
-        if sampled_ids:
-            assert logits is not None
-            rows = []
-            for request_id in sampled_ids:
-                state = self.outputs.states[request_id]
-                request = state.request
-                rows.append(
-                    SamplingRequestState(
-                        request.sampling_params, request.prompt_token_ids, request.output_token_ids, state.generator
-                    )
-                )
-            result = self.sampler(logits, rows)
+        if result is not None:
             picks = zip(sampled_ids, result.sampled_token_ids, result.logprobs, strict=True)
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
@@ -302,6 +307,42 @@ class LLMEngine:
             self._apply_handoff(reports)
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
+
+    def _sampling_rows(self, sampled_ids: list[str]) -> list[SamplingRequestState]:
+        rows = []
+        for request_id in sampled_ids:
+            state = self.outputs.states[request_id]
+            request = state.request
+            rows.append(
+                SamplingRequestState(
+                    request.sampling_params, request.prompt_token_ids, request.output_token_ids, state.generator
+                )
+            )
+        return rows
+
+    def _fail_step_out_of_memory(
+        self, scheduled: SchedulerOutput, step_input: StepInput, exc: torch.OutOfMemoryError
+    ) -> list[RequestOutput]:
+        """A step that ran out of device memory ends its own requests with the error, nothing else:
+        the engine (one shard: no peer is left inside a collective) frees the allocator's cache and
+        serves on. The step's KV pushes end as those requests' aborts end them."""
+        self.num_steps_out_of_memory += 1
+        logger.warning("a step of %d tokens ran out of memory: its requests end: %s", len(step_input.input_ids), exc)
+        if self.handoff is not None:
+            self._apply_handoff(self.executor.finish_step(None))  # the connector's step ends with no tokens
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        error = (
+            f"out of memory computing a step of {len(step_input.input_ids)} tokens on {self._device}; "
+            "retry, or send a shorter prompt"
+        )
+        for request_id in dict.fromkeys(chunk.request_id for chunk in scheduled.chunks):
+            if self.handoff is not None and self.handoff.abandon(request_id):
+                # Its push started in this step (some layers may have left): cut off on every shard.
+                self._end_cancelled_push(request_id, RequestStatus.FINISHED_ERROR, error)
+            else:
+                self.abort_request(request_id, error=error)
+        return self._take_outputs_outside_step()
 
     def _end_preempted_pushes(self, preempted: list[str]) -> None:
         """Prefill role: a request preempted mid-prompt whose KV push had started ends with an error

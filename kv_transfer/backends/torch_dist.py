@@ -36,7 +36,11 @@ only pieces of the receiver's block size. Serve this backend on loopback or a tr
 gRPC checks every byte it is sent.
 
 Host payloads travel over gloo; a CUDA payload for a CUDA receiver travels over NCCL, in a second
-group of the same pair made on first use (that path is untested: this project's CI has no GPUs).
+group of the same pair, made at pairing when both ends hold GPU caches (the sender's hello says
+where its KV is; at most ``max_nccl_pairs`` per endpoint) and kept for the pair's life
+(``nccl_pair_idle_s``). Its failures stay the pair's (``_kv_nccl_group``); its operations run on
+the threads' transfer streams (``kv_transfer.device_streams``), never the compute stream. That
+path needs two GPUs: ``bench.gpu_check`` runs it where there are two; CI has none.
 Every wait carries the chunk's deadline. Gloo closes a pair whose wait timed out, so any error
 drops the pair on both sides and the sender pairs afresh on its next chunk. A pair thread waits at
 most ``pair_idle_s`` for the next chunk (gloo cannot interrupt a pending recv any other way); the
@@ -94,14 +98,20 @@ class TorchDistConfig:
     # A pair's NCCL group's own timeout, at least a KV lease: each wait still ends at its chunk's
     # deadline (then the pair is aborted); past this the watchdog would report the group broken.
     nccl_timeout_s: float = 600.0
+    # Pairs whose two ends hold GPU caches get an NCCL communicator at pairing, kept for the pair's
+    # life; at most this many per endpoint (each holds GPU memory outside the KV budget: a pair
+    # beyond them carries GPU KV through the host), idling up to nccl_pair_idle_s before closing.
+    max_nccl_pairs: int = 8
+    nccl_pair_idle_s: float = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("max_pairs", "max_payload_bytes"):
+        for name in ("max_pairs", "max_payload_bytes", "max_nccl_pairs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"torch KV transport: {name}={getattr(self, name)} must be at least 1")
         for name in (
             "connect_timeout_s",
             "pair_idle_s",
+            "nccl_pair_idle_s",
             "payload_stall_s",
             "payload_min_bytes_per_s",
             "nccl_timeout_s",
@@ -197,6 +207,16 @@ class _Pair:
             )
         return self._nccl
 
+    def connect_nccl(self, device: torch.device, deadline: float) -> None:
+        """Make the pair's NCCL communicator now, at pairing, both ends together (one element
+        sent from the sender to the receiver): made inside the first chunk's send instead, a
+        receiver that refused that chunk never joined, and the sender hung until the store's timeout."""
+        probe = torch.zeros(1, dtype=torch.uint8, device=device)
+        if self.rank == 1:
+            self.send(probe, deadline, "connecting the pair's NCCL communicator")
+        else:
+            self.recv(probe, deadline, "connecting the pair's NCCL communicator")
+
     def send(self, t: torch.Tensor, deadline: float, what: str) -> None:
         group = self._group(t)
         _io(lambda: group.send([t], self.peer, _TAG), deadline, what)
@@ -280,6 +300,7 @@ class _Endpoint:
         self.stopped = threading.Event()
         self._lock = threading.Lock()
         self._pairs: dict[int, threading.Thread] = {}
+        self._nccl_pairs: set[int] = set()  # pairs with an NCCL communicator
         self._accept = threading.Thread(target=self._accept_loop, name=f"kv-torch-accept-{self.port}", daemon=True)
         self._accept.start()
         with _live_lock:
@@ -311,24 +332,34 @@ class _Endpoint:
     def _admit(self, store: dist.TCPStore, pair_id: int) -> None:
         cfg = self.config
         thread = None
+        try:  # what the sender holds its KV on (an empty hello: a sender from before this field)
+            hello = msgpack.unpackb(store.get(f"pair/{pair_id}/hello") or msgpack.packb({}))
+        except Exception:
+            hello = {}
+        wants_nccl = isinstance(hello, dict) and hello.get("device") == "cuda" and self.device.type == "cuda"
         with self._lock:
+            nccl = wants_nccl and len(self._nccl_pairs) < cfg.max_nccl_pairs
             if len(self._pairs) < cfg.max_pairs:
+                idle_s = cfg.nccl_pair_idle_s if nccl else cfg.pair_idle_s
                 thread = threading.Thread(
-                    target=self._pair_loop, args=(pair_id,), name=f"kv-torch-pair-{pair_id}", daemon=True
+                    target=self._pair_loop, args=(pair_id, nccl, idle_s), name=f"kv-torch-pair-{pair_id}", daemon=True
                 )
                 self._pairs[pair_id] = thread
+                if nccl:
+                    self._nccl_pairs.add(pair_id)
         if thread is None:
             logger.warning(
                 "torch KV transport on port %d refused pair %d: %d pairs open", self.port, pair_id, cfg.max_pairs
             )
             verdict = {"ok": False, "reason": f"receiver at its limit of {cfg.max_pairs} concurrent pairs"}
         else:
-            verdict = {"ok": True, "pair_idle_s": cfg.pair_idle_s, "device": self.device.type}
+            # "cuda": this pair's GPU payloads go over NCCL; "cpu": through the host.
+            verdict = {"ok": True, "pair_idle_s": idle_s, "device": "cuda" if nccl else "cpu"}
         store.set(f"pair/{pair_id}/verdict", msgpack.packb(verdict))
         if thread is not None:
             thread.start()
 
-    def _pair_loop(self, pair_id: int) -> None:
+    def _pair_loop(self, pair_id: int, nccl: bool, idle_s: float) -> None:
         run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         pair = None
         try:
@@ -337,7 +368,9 @@ class _Endpoint:
             pair = _Pair(client, pair_id, 0, self.host, self.config.connect_timeout_s, self.config.nccl_timeout_s)
             # NCCL receives and the landings after them on this thread's own stream, never the compute one.
             with self.receiver.landing_stream():
-                self._serve_pair(pair)
+                if nccl:
+                    pair.connect_nccl(self.device, time.monotonic() + self.config.connect_timeout_s)
+                self._serve_pair(pair, nccl, idle_s)
         except (TimeoutError, ConnectionError, RuntimeError) as exc:  # the sender left, died or broke the protocol
             logger.debug("torch KV pair %d on port %d closed: %s", pair_id, self.port, exc)
         except Exception:
@@ -347,8 +380,9 @@ class _Endpoint:
                 pair.close()
             with self._lock:
                 self._pairs.pop(pair_id, None)
+                self._nccl_pairs.discard(pair_id)
 
-    def _serve_pair(self, pair: _Pair) -> None:
+    def _serve_pair(self, pair: _Pair, nccl: bool, idle_s: float) -> None:
         cfg = self.config
         head = torch.zeros(_HEAD_BYTES, dtype=torch.uint8)
         head_view = memoryview(head.numpy())
@@ -356,24 +390,24 @@ class _Endpoint:
         buffer = torch.empty(0, dtype=torch.uint8)  # reused: apply() has copied the payload out when it returns
         first = True
         while True:
-            pair.recv(head, time.monotonic() + cfg.pair_idle_s, "waiting for the next chunk")
+            pair.recv(head, time.monotonic() + idle_s, "waiting for the next chunk")
             if first:  # both ends finished the rendezvous: its keys are garbage now
                 first = False
                 for key in ("0/0", "0/1"):
                     with contextlib.suppress(Exception):
                         pair.store.delete_key(f"pair/{pair.pair_id}/{key}")
             header_len, payload_len, timeout_ms, on_device, pieces = _HEAD.unpack_from(head_view)
-            deadline = time.monotonic() + min(max(timeout_ms, 1) / 1000, cfg.pair_idle_s)
+            deadline = time.monotonic() + min(max(timeout_ms, 1) / 1000, idle_s)
             if self.stopped.is_set():
                 _send_verdict(pair, verdict, _UNAVAILABLE, "receiver shut down", deadline)
                 return
-            device = on_device and self.device.type == "cuda"
+            device = on_device and nccl
             if (
                 not 0 < header_len <= _MAX_HEADER
                 or payload_len < 0
                 or (on_device and not device)
                 or not 0 <= pieces <= MAX_DIRECT_PIECES
-                or (pieces and device != (self.device.type == "cuda"))
+                or (pieces and device != nccl)
             ):
                 raise ConnectionError(
                     f"malformed chunk head ({header_len}-byte header, {payload_len}-byte payload, "
@@ -498,23 +532,25 @@ class _TorchDistChannel(KVChannel):
     def send(
         self, header: bytes, payload: memoryview | bytes | torch.Tensor, timeout_s: float, tag: str | None = None
     ) -> None:
+        on_gpu = isinstance(payload, torch.Tensor) and payload.device.type == "cuda"
         with self._lock:
-            deadline = self._ready(header, timeout_s)
+            deadline = self._ready(header, timeout_s, payload.device if on_gpu else None)  # type: ignore[union-attr]
             self._deliver(header, [self._payload_tensor(payload, self._receiver_device)], False, deadline)
 
     def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float, tag: str | None = None) -> bool:
         if not self.sends_in_place or not 0 < len(pieces) <= MAX_DIRECT_PIECES:
             return False
         with self._lock:
-            deadline = self._ready(header, timeout_s)
+            deadline = self._ready(header, timeout_s, pieces[0].device if pieces[0].device.type == "cuda" else None)
             # Both ends on the host (gloo) or both on GPUs (NCCL); anything else is copied across.
             if {piece.device.type for piece in pieces} != {"cuda" if self._receiver_device == "cuda" else "cpu"}:
                 return False
             parts = [piece.reshape(-1).view(torch.uint8) for piece in pieces]  # views: contiguous pieces
             return self._deliver(header, parts, True, deadline)
 
-    def _ready(self, header: bytes, timeout_s: float) -> float:
-        """Checks the header and pairs up (anew after idling); returns the chunk's deadline. Lock held."""
+    def _ready(self, header: bytes, timeout_s: float, gpu: torch.device | None) -> float:
+        """Checks the header and pairs up (anew after idling); returns the chunk's deadline. Lock
+        held. ``gpu``: the GPU this chunk's payload is on (a pair made for it asks for NCCL)."""
         deadline = time.monotonic() + timeout_s
         if len(header) > _MAX_HEADER:
             raise TransferRefused(
@@ -523,7 +559,7 @@ class _TorchDistChannel(KVChannel):
         if self._pair is not None and time.monotonic() - self._last_used > self._pair_idle_s / 2:
             self._drop()  # the receiver closes idle pairs; re-pair rather than race it
         if self._pair is None:
-            self._pair_up(deadline)
+            self._pair_up(deadline, gpu)
         return deadline
 
     def _deliver(self, header: bytes, parts: list[torch.Tensor], in_place: bool, deadline: float) -> bool:
@@ -583,7 +619,7 @@ class _TorchDistChannel(KVChannel):
             pair.send_all(parts, deadline, "sending a chunk payload")
         return _recv_verdict(pair, self._verdict, deadline)
 
-    def _pair_up(self, deadline: float) -> None:
+    def _pair_up(self, deadline: float, gpu: torch.device | None) -> None:
         end = min(deadline, time.monotonic() + self.config.connect_timeout_s)
         left = end - time.monotonic()
         if left <= 0:
@@ -596,7 +632,7 @@ class _TorchDistChannel(KVChannel):
         try:
             store = dist.TCPStore(self.host, self.port, is_master=False, timeout=_td(left))
             pair_id = store.add(_NEXT_ID, 1)
-            store.set(f"pair/{pair_id}/hello", b"")
+            store.set(f"pair/{pair_id}/hello", msgpack.packb({"device": "cuda" if gpu is not None else "cpu"}))
             verdict_key = f"pair/{pair_id}/verdict"
             store.wait([verdict_key], _td(end - time.monotonic()))
             verdict = msgpack.unpackb(store.get(verdict_key))
@@ -604,7 +640,14 @@ class _TorchDistChannel(KVChannel):
             store.delete_key(f"pair/{pair_id}/hello")
             if not verdict["ok"]:
                 raise ConnectionError(f"{self.endpoint} refused to pair: {verdict['reason']}")
-            self._pair = _Pair(store, pair_id, 1, local, end - time.monotonic(), self.config.nccl_timeout_s)
+            pair = _Pair(store, pair_id, 1, local, end - time.monotonic(), self.config.nccl_timeout_s)
+            if verdict["device"] == "cuda" and gpu is not None:
+                try:
+                    pair.connect_nccl(gpu, end)
+                except BaseException:
+                    pair.close()
+                    raise
+            self._pair = pair
         except RuntimeError as exc:  # DistError: store or rendezvous
             message = str(exc).splitlines()[0]
             kind = TimeoutError if "timeout" in message.lower() or "timed out" in message.lower() else ConnectionError
