@@ -151,11 +151,15 @@ class KVReceiver:
         return on_transfer_stream(self._device)
 
     def apply(
-        self, raw_header: bytes, payload: memoryview | bytes, regions: Mapping[int, torch.Tensor] | None = None
+        self,
+        raw_header: bytes,
+        payload: memoryview | bytes | torch.Tensor,
+        regions: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         """Verify one chunk and write it. Raises TransferRefused with the reason; writes nothing then
         (a pulled chunk whose checksum fails has written into its own request's blocks only, and
-        fails that request).
+        fails that request). ``payload``: host bytes, or a flat uint8 tensor on this cache's GPU
+        (what an NCCL receive fills), landed from there without a trip through the host.
 
         ``regions``: the sender's memory this transport mapped (region id -> flat uint8 tensor),
         from which a pulled chunk (``header.pulled``) is read in place instead of from ``payload``.

@@ -27,7 +27,10 @@ class ChunkReceiver(Protocol):
     kv_caches: list[torch.Tensor]
 
     def apply(
-        self, raw_header: bytes, payload: memoryview | bytes, regions: Mapping[int, torch.Tensor] | None = None
+        self,
+        raw_header: bytes,
+        payload: memoryview | bytes | torch.Tensor,
+        regions: Mapping[int, torch.Tensor] | None = None,
     ) -> None: ...
 
     def check_header(self, raw_header: bytes, nbytes: int) -> None: ...

@@ -420,7 +420,7 @@ class _Endpoint:
                 if not posted:
                     return  # the sender's pieces wait on receives that never come: drop the pair
                 continue
-            payload: memoryview | bytes = b""
+            payload: memoryview | bytes | torch.Tensor = b""
             if payload_len:
                 if payload_len > cfg.max_payload_bytes:
                     _send_verdict(
@@ -443,7 +443,8 @@ class _Endpoint:
                         buffer = torch.empty(payload_len, dtype=torch.uint8)
                     target = buffer[:payload_len]
                 pair.recv(target, deadline, "receiving a chunk payload")
-                payload = memoryview(target.cpu().numpy())  # no copy on the host; apply() takes host bytes today
+                # A GPU payload lands from the GPU (apply takes it there); a host one without a copy.
+                payload = target if device else memoryview(target.numpy())
             status, reason = self._apply(header, payload)
             _send_verdict(pair, verdict, status, reason, deadline)
 
@@ -480,7 +481,7 @@ class _Endpoint:
     def _check(self, header: bytes, payload_len: int) -> tuple[int, str]:
         return self._verdict_of(lambda: self.receiver.check_header(header, payload_len))
 
-    def _apply(self, header: bytes, payload: memoryview | bytes) -> tuple[int, str]:
+    def _apply(self, header: bytes, payload: memoryview | bytes | torch.Tensor) -> tuple[int, str]:
         return self._verdict_of(lambda: self.receiver.apply(header, payload))
 
     @staticmethod

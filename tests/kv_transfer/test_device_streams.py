@@ -10,10 +10,13 @@ and the order of what they recorded is checked."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import threading
+import time
 
+import pytest
 import torch
 
 from kv_transfer import KVReceiver, TransferState, device_streams
@@ -21,7 +24,7 @@ from kv_transfer.backends.inproc import InProcTransport
 from kv_transfer.backends.tcp import TcpTransport
 from kv_transfer.device_streams import HostStaging
 from kv_transfer.sending import worker
-from tests.kv_transfer.harness import transfer, wait_terminal
+from tests.kv_transfer.harness import assert_bit_exact, transfer, wait_terminal
 
 # The modules (the package re-exports classes under some of their names).
 sender = importlib.import_module("kv_transfer.sender")
@@ -144,3 +147,75 @@ def test_on_cpu_the_stream_functions_do_nothing_and_staging_passes_tensors_throu
     assert staging.to_device(layer, torch.device("cpu")) is layer
     small, large = staging.buffer("k", 10), staging.buffer("k", 100)
     assert small.numel() == 10 and large.numel() == 100 and staging.buffer("k", 50).data_ptr() == large.data_ptr()
+
+
+@pytest.mark.parametrize("integrity", ["none", "crc32", "mac"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_payload_received_on_the_caches_device_lands_from_there_bit_exact(monkeypatch, integrity, batched):
+    """What an NCCL receive hands ``apply``: the payload as a flat uint8 tensor on the cache's device
+    (the CPU here), landed without a trip through host bytes; checked like bytes where it carries a
+    check. Every chunk of a real transfer is handed over that way."""
+    real_apply = KVReceiver.apply
+    as_tensors = []
+
+    def apply(self, raw_header, payload, regions=None):
+        if not isinstance(payload, torch.Tensor) and len(payload):
+            payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            as_tensors.append(payload.numel())
+        return real_apply(self, raw_header, payload, regions)
+
+    monkeypatch.setattr(KVReceiver, "apply", apply)
+    if batched:  # the sender fell behind: several layers leave in one chunk
+        monkeypatch.setattr(worker.SendWorker, "_layers_behind", _all_queued_layers(worker.SendWorker._layers_behind))
+    transport = InProcTransport()
+    receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, num_layers=4, integrity=integrity)
+    (state,) = wait_terminal([functools.partial(receivers[0].poll, "req-1")])
+    assert state.state is TransferState.DONE, state
+    assert as_tensors, "no chunk went through the tensor path"
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    for s in senders:
+        s.close()
+    transport.shutdown()
+
+
+def test_a_tensor_payload_that_fails_its_check_is_refused_and_writes_nothing():
+    from kv_transfer import make_ticket
+    from kv_transfer.protocol import ChunkHeader, encode_header, payload_check
+    from kv_transfer.transport import TransferRefused
+    from tests.kv_transfer.harness import make_side
+
+    dst, _ = make_side(1, fill=False)
+    rx = KVReceiver(dst.caches[0], dst.layouts[0], "inproc", require_integrity="crc32")
+    ticket = make_ticket(
+        "req-1", "inproc", ["inproc://x"], dst.layouts[0], "m", [1, 2], 2 * dst.layouts[0].block_size, 30
+    )
+    rx.expect(ticket)
+    layout = dst.layouts[0]
+    payload = torch.ones(2, 2, layout.block_size, layout.num_kv_heads, layout.head_dim).view(-1).view(torch.uint8)
+    good = payload_check("crc32", ticket.secret, memoryview(payload.numpy()))
+    header = ChunkHeader(
+        kind="layer", request_id="req-1", sender_rank=0, sender_tp=1, receiver_rank=0, layer=0,
+        num_heads=layout.num_kv_heads, num_blocks=2, nbytes=payload.numel(), checksum=good ^ 1,
+    )  # fmt: skip
+    with pytest.raises(TransferRefused, match="checksum"):
+        rx.apply(encode_header(header, ticket.secret), payload.clone())
+    assert all(torch.count_nonzero(layer) == 0 for layer in dst.caches[0])
+    # The same chunk with its true checksum, to another request: checked over the tensor's bytes, it lands.
+    ticket = make_ticket("req-2", "inproc", ["inproc://x"], layout, "m", [3, 4], 2 * layout.block_size, 30)
+    rx.expect(ticket)
+    good = payload_check("crc32", ticket.secret, memoryview(payload.numpy()))
+    header = dataclasses.replace(header, request_id="req-2", checksum=good)
+    rx.apply(encode_header(header, ticket.secret), payload.clone())
+    assert torch.count_nonzero(dst.caches[0][0]) > 0
+
+
+def _all_queued_layers(real):
+    """``_layers_behind`` as if the sender fell behind: it waits until every layer is queued."""
+
+    def layers_behind(self, first, held):
+        deadline = time.monotonic() + 5
+        while self._queue.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return real(self, first, held)
+
+    return layers_behind
