@@ -232,7 +232,22 @@ class _Pair:
         self.wait_all(self.post_all("recv", parts), deadline, what)
 
     def post_all(self, op: str, parts: list[torch.Tensor]) -> list[dist.Work]:
-        """Post every piece at once (messages of a pair keep their order)."""
+        """Post every piece at once (messages of a pair keep their order). GPU pieces go as one NCCL
+        group (one launch for the chunk's runs of blocks, not one per run), each side grouping its own."""
+        if parts and all(t.device.type == "cuda" for t in parts) and len(parts) > 1:
+            group = self._group(parts[0])
+            if getattr(group, "supports_coalescing", False):
+                group._start_coalescing(parts[0].device)
+                try:
+                    for t in parts:
+                        getattr(group, op)([t], self.peer, _TAG)
+                finally:
+                    work = group._end_coalescing(parts[0].device)
+                if work is not None:
+                    return [work]
+                # A torch whose coalescing returns no handle: wait for the group on this stream.
+                torch.cuda.current_stream(parts[0].device).synchronize()
+                return []
         return [getattr(self._group(t), op)([t], self.peer, _TAG) for t in parts]
 
     @staticmethod
