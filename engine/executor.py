@@ -320,6 +320,11 @@ class Executor:
             others = (self.tp.gather_bytes_to_driver(b"") or [])[1:]
         return [own, *(ShardReport.from_wire(msgpack.unpackb(r, raw=False)) for r in others)]
 
+    def mark_broken(self) -> None:
+        """A failure outside a step's collectives left the shards out of step (e.g. the sampler's, on
+        the driver, after the forward pass): shutdown kills them instead of talking to them."""
+        self._broken = True
+
     @contextlib.contextmanager
     def _guard(self):
         """Any failure or interrupt inside a step leaves the shards out of step with the driver: the

@@ -170,8 +170,12 @@ class KVHandoff:
             if failed is not None:
                 result.failed_receives.append((request_id, f"KV transfer failed: {failed.reason}"))
             elif all(r.state is TransferState.DONE for r in receives):
-                first_token = next(r.first_token_id for r in receives if r.first_token_id is not None)
-                result.received.append((request_id, first_token))
+                first_token = next((r.first_token_id for r in receives if r.first_token_id is not None), None)
+                if first_token is None:  # every layer came, but prefill sampled no first token
+                    reason = "KV transfer failed: the prefill side sent no first token"
+                    result.failed_receives.append((request_id, reason))
+                else:
+                    result.received.append((request_id, first_token))
             else:
                 continue
             self.receiving.discard(request_id)

@@ -242,14 +242,17 @@ class LLMEngine:
         if request is not None and request_id in self.outputs.states:
             self._outputs_outside_step.append(self.outputs.build(request_id))
 
-    def _end_cancelled_push(self, request_id: str, status: RequestStatus, error: str | None) -> None:
+    def _end_cancelled_push(
+        self, request_id: str, status: RequestStatus, error: str | None, told: bool = False
+    ) -> None:
         """A request whose push was just cancelled ends; its blocks stay held until the shards report
-        the transfer ended."""
+        the transfer ended. ``told``: the shards have the cancel already."""
         assert self.handoff is not None
         self.num_kv_pushes_cancelled += 1
         request = self.scheduler.hold_for_handoff(request_id, status, error)
-        self.executor.connector_step(self.handoff.connector_step(None))
-        self._apply_handoff(self.executor.finish_step(None))
+        if not told:
+            self.executor.connector_step(self.handoff.connector_step(None))
+            self._apply_handoff(self.executor.finish_step(None))
         if request is not None and request_id in self.outputs.states:
             self._outputs_outside_step.append(self.outputs.build(request_id))
 
@@ -288,7 +291,10 @@ class LLMEngine:
                 result = self.sampler(logits, self._sampling_rows(sampled_ids))
         except torch.OutOfMemoryError as exc:
             if self.executor.world_size > 1:
-                raise  # the other shards may be inside this step's collectives: the engine is done
+                # The other shards may be inside this step's collectives, or waiting for its end
+                # (the sampler runs outside the executor's guard): the instance is done.
+                self.executor.mark_broken()
+                raise
             return self._fail_step_out_of_memory(scheduled, step_input, exc)
         sampled: dict[str, int] = {}
         if result is not None:
@@ -325,21 +331,25 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """A step that ran out of device memory ends its own requests with the error, nothing else:
         the engine (one shard: no peer is left inside a collective) frees the allocator's cache and
-        serves on. The step's KV pushes end as those requests' aborts end them."""
+        serves on. Pushes the step had under way are cut off before the step ends, so no "done"
+        follows layers it may have pushed (all of them, if it failed after the last layer)."""
         self.num_steps_out_of_memory += 1
         logger.warning("a step of %d tokens ran out of memory: its requests end: %s", len(step_input.input_ids), exc)
+        request_ids = list(dict.fromkeys(chunk.request_id for chunk in scheduled.chunks))
+        abandoned = [rid for rid in request_ids if self.handoff is not None and self.handoff.abandon(rid)]
         if self.handoff is not None:
-            self._apply_handoff(self.executor.finish_step(None))  # the connector's step ends with no tokens
+            if abandoned:  # the cancels reach the shards first: the step's end then finishes nothing
+                self.executor.connector_step(self.handoff.connector_step(None))
+            self._apply_handoff(self.executor.finish_step(None))
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         error = (
             f"out of memory computing a step of {len(step_input.input_ids)} tokens on {self._device}; "
             "retry, or send a shorter prompt"
         )
-        for request_id in dict.fromkeys(chunk.request_id for chunk in scheduled.chunks):
-            if self.handoff is not None and self.handoff.abandon(request_id):
-                # Its push started in this step (some layers may have left): cut off on every shard.
-                self._end_cancelled_push(request_id, RequestStatus.FINISHED_ERROR, error)
+        for request_id in request_ids:
+            if request_id in abandoned:
+                self._end_cancelled_push(request_id, RequestStatus.FINISHED_ERROR, error, told=True)
             else:
                 self.abort_request(request_id, error=error)
         return self._take_outputs_outside_step()
