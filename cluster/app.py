@@ -266,10 +266,16 @@ def with_resolved_cores(config: ClusterConfig, num_host_cores: int | None = None
 
 
 def with_resolved_gpu_budget(config: ClusterConfig) -> ClusterConfig:
-    """On GPUs the planner's budget, unless set, is the Ray cluster's GPUs: a shard each."""
+    """On GPUs the planner's budget, unless set, is the Ray cluster's GPUs at start: a shard each.
+    A cluster with fewer than a replica of each pool's worth (GPU nodes an autoscaler has not added
+    yet) leaves it unset, logged: the pools then grow as far as Ray places them. (A declared app,
+    built by ``cluster.serve_builder`` under KubeRay, takes ``planner.budget`` from its args.)"""
     if not (config.planner.enabled and config.planner.budget is None and config.gpus_per_shard):
         return config
     budget = int(ray.cluster_resources().get("GPU", 0) // config.gpus_per_shard)
+    if budget < 2:
+        logger.info("planner: the Ray cluster has %d GPU(s) now; no budget set (set planner.budget)", budget)
+        return config
     logger.info("planner: its budget is the Ray cluster's %d GPUs", budget)
     return dataclasses.replace(config, planner=dataclasses.replace(config.planner, budget=budget))
 

@@ -222,12 +222,24 @@ class Executor:
             model = dataclasses.replace(config.model, dtype=resolve_auto_dtype(device))
             config = dataclasses.replace(config, model=model)
         self.world_size = config.parallel.tensor_parallel_size
-        # What the host process had before the driver took its slice: given back at shutdown.
-        self._host_cores = HostCores.now()
+        # What the host process had before the driver took its slice: given back at shutdown, or
+        # at once if the instance never starts.
+        self._host_cores: HostCores | None = None
         if device.type == "cpu" and (self.world_size > 1 or config.parallel.cpu_cores):
             # The driver shares its process with its host (an offline script, a serving replica):
             # pinned only to cores given to it, never to a slice of cores it was not given.
+            self._host_cores = HostCores.now()
             use_cores(0, self.world_size, instance_cores(config), pin=bool(config.parallel.cpu_cores))
+        try:
+            self._start(config, model_dir, launcher, device)
+        except BaseException:
+            if self._host_cores is not None:
+                self._host_cores.restore()
+            raise
+
+    def _start(
+        self, config: EngineConfig, model_dir: Path, launcher: WorkerLauncher | None, device: torch.device
+    ) -> None:
         self.workers: list[WorkerHandle] = []
         self.shard_pids: list[int] = []  # ranks 1.., for operators (whichever launcher started them)
         self._broken = False  # a step failed midway: shards may be stuck in a collective
@@ -412,6 +424,7 @@ class Executor:
                 self.tp.destroy()  # local teardown only, safe once the shards are gone
         if getattr(self, "_host_cores", None) is not None:
             self._host_cores.restore()
+            self._host_cores = None
 
     def _kill_workers(self) -> None:
         for worker in self.workers:

@@ -398,7 +398,7 @@ class LLMEngine:
         disaggregation and the planner read would be far too high."""
         if not synced and self._device.type == "cuda":
             ended = torch.cuda.Event()
-            ended.record()
+            ended.record(torch.cuda.current_stream(self._device))
             ended.synchronize()
         return time.monotonic()
 

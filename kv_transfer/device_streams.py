@@ -50,19 +50,30 @@ def transfer_stream(device: torch.device) -> torch.cuda.Stream:
 @contextlib.contextmanager
 def on_transfer_stream(device: torch.device | None) -> Iterator[None]:
     """Run the block's device work on this thread's transfer stream of ``device`` (CUDA), with the
-    thread's current device set to it; on CPU (or None) as it is."""
+    thread's current device set to it for the block (restored after: the inproc transport lands a
+    receiver's chunk on the sender's thread, maybe on another GPU); on CPU (or None) as it is."""
     if device is None or device.type != "cuda":
         yield
         return
-    torch.cuda.set_device(device)
-    with torch.cuda.stream(transfer_stream(device)):
-        yield
+    outer = getattr(_local, "device", None)
+    _local.device = device
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(transfer_stream(device)):
+            yield
+    finally:
+        _local.device = outer
 
 
-def wait_for(event: torch.cuda.Event | None) -> None:
-    """The current (transfer) stream waits for ``event``; the host does not."""
+def current_transfer_device() -> torch.device | None:
+    """The GPU whose transfer stream this thread is on now (inside ``on_transfer_stream``), else None:
+    what a transport tells a peer when it pairs, as where this side's KV lives."""
+    return getattr(_local, "device", None)
+
+
+def wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """``device``'s current (transfer) stream waits for ``event``; the host does not."""
     if event is not None:
-        torch.cuda.current_stream().wait_event(event)
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def settle(device: torch.device | None) -> None:
@@ -70,7 +81,7 @@ def settle(device: torch.device | None) -> None:
     stream only (an event on it), never the whole device."""
     if device is not None and device.type == "cuda":
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(device))
         done.synchronize()
 
 
@@ -114,6 +125,6 @@ class HostStaging:
         host.copy_(tensor)
         moved = host.to(device, non_blocking=True)
         read = torch.cuda.Event()
-        read.record()
+        read.record(torch.cuda.current_stream(device))
         self._reading[key] = read
         return moved

@@ -7,11 +7,14 @@ device tensor. With one shard there are no groups and every collective is the id
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from common.nccl_env import group_construction
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -57,7 +60,12 @@ class TensorParallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
+        # NCCL reads its error handling from the environment as the group is made: made under the
+        # lock the KV transport changes it under, so this group keeps torch's default.
+        with group_construction() if device.type == "cuda" else contextlib.nullcontext():
+            dist.init_process_group(
+                backend=backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout
+            )
         group = dist.group.WORLD
         cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timeout)
         return cls(rank=rank, size=size, device=device, group=group, cpu_group=cpu_group)

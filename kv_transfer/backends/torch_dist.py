@@ -53,7 +53,6 @@ import atexit
 import contextlib
 import datetime
 import logging
-import os
 import socket
 import struct
 import threading
@@ -66,7 +65,9 @@ import torch
 import torch.distributed as dist
 
 from common.errors import ConfigError
+from common.nccl_env import ASYNC_ERROR_HANDLING, group_construction
 from common.openmp import run_tensor_ops_serially
+from kv_transfer.device_streams import current_transfer_device
 from kv_transfer.protocol import MAX_DIRECT_PIECES
 from kv_transfer.receiver import KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
@@ -140,7 +141,27 @@ _devices: dict[str, object] = {}
 _devices_lock = threading.Lock()
 
 
-_nccl_env_lock = threading.Lock()
+_NCCL_AT_PAIRING, _NCCL_LAZY, _NO_NCCL = "at pairing", "lazy", "none"  # a receiving pair's NCCL
+
+
+_coalescing_returns_work = True  # until a torch shows otherwise: then pieces go one send each
+
+
+def _no_coalescing_work(group, device: torch.device) -> None:
+    """A torch whose coalescing hands back no handle: nothing to wait on but the device itself
+    (NCCL's stream is not this thread's), this once; later chunks post their pieces one by one."""
+    global _coalescing_returns_work
+    _coalescing_returns_work = False
+    logger.warning("this torch's NCCL coalescing returns no handle: KV pieces go one send each")
+    torch.cuda.synchronize(device)
+
+
+def _gpu_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (the same GPU whatever CUDA_VISIBLE_DEVICES calls it), if torch reports it."""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
 
 
 def _kv_nccl_group(store: dist.Store, rank: int, timeout_s: float):
@@ -148,24 +169,14 @@ def _kv_nccl_group(store: dist.Store, rank: int, timeout_s: float):
     KV lease (each wait carries the chunk's own, shorter deadline: a timed-out wait raises here and
     the pair is aborted). torch's watchdog tears the whole process down when an operation of a group
     made under its default error handling outlives the group's timeout (an engine replica, for one
-    slow chunk); this group is made with that handling off (TORCH_NCCL_ASYNC_ERROR_HANDLING, read
-    when a group is made), so a failed or timed-out transfer fails its hand-off, never the process.
-    The engine's own TP groups keep the default."""
+    slow chunk); this group is made with that handling off (read when a group is made: every NCCL
+    group of the process is made under ``common.nccl_env``'s lock, so none inherits this value), so
+    a failed or timed-out transfer fails its hand-off, never the process. The engine's own TP
+    groups keep the default."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = _td(timeout_s)
-    with _nccl_env_lock:
-        before = os.environ.get(_NCCL_ERROR_HANDLING)
-        os.environ[_NCCL_ERROR_HANDLING] = "0"
-        try:
-            return dist.ProcessGroupNCCL(store, rank, 2, options)
-        finally:
-            if before is None:
-                os.environ.pop(_NCCL_ERROR_HANDLING, None)
-            else:
-                os.environ[_NCCL_ERROR_HANDLING] = before
-
-
-_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    with group_construction(**{ASYNC_ERROR_HANDLING: "0"}):
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
 def _gloo_device(host: str):
@@ -212,10 +223,18 @@ class _Pair:
         sent from the sender to the receiver): made inside the first chunk's send instead, a
         receiver that refused that chunk never joined, and the sender hung until the store's timeout."""
         probe = torch.zeros(1, dtype=torch.uint8, device=device)
-        if self.rank == 1:
-            self.send(probe, deadline, "connecting the pair's NCCL communicator")
-        else:
-            self.recv(probe, deadline, "connecting the pair's NCCL communicator")
+        # NCCL's set-up waits for the peer with no deadline of its own: past ours the pair is closed
+        # (the group aborted) so this thread is not held by a peer that went away meanwhile.
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), self.close)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            if self.rank == 1:
+                self.send(probe, deadline, "connecting the pair's NCCL communicator")
+            else:
+                self.recv(probe, deadline, "connecting the pair's NCCL communicator")
+        finally:
+            watchdog.cancel()
 
     def send(self, t: torch.Tensor, deadline: float, what: str) -> None:
         group = self._group(t)
@@ -233,10 +252,11 @@ class _Pair:
 
     def post_all(self, op: str, parts: list[torch.Tensor]) -> list[dist.Work]:
         """Post every piece at once (messages of a pair keep their order). GPU pieces go as one NCCL
-        group (one launch for the chunk's runs of blocks, not one per run), each side grouping its own."""
-        if parts and all(t.device.type == "cuda" for t in parts) and len(parts) > 1:
+        group (one launch for the chunk's runs of blocks, not one per run), each side grouping its
+        own, where this torch's coalescing hands back the group's handle to wait on."""
+        if len(parts) > 1 and all(t.device.type == "cuda" for t in parts):
             group = self._group(parts[0])
-            if getattr(group, "supports_coalescing", False):
+            if getattr(group, "supports_coalescing", False) and _coalescing_returns_work:
                 group._start_coalescing(parts[0].device)
                 try:
                     for t in parts:
@@ -245,9 +265,7 @@ class _Pair:
                     work = group._end_coalescing(parts[0].device)
                 if work is not None:
                     return [work]
-                # A torch whose coalescing returns no handle: wait for the group on this stream.
-                torch.cuda.current_stream(parts[0].device).synchronize()
-                return []
+                _no_coalescing_work(group, parts[0].device)  # this once: the device's whole queue
         return [getattr(self._group(t), op)([t], self.peer, _TAG) for t in parts]
 
     @staticmethod
@@ -347,17 +365,22 @@ class _Endpoint:
     def _admit(self, store: dist.TCPStore, pair_id: int) -> None:
         cfg = self.config
         thread = None
-        try:  # what the sender holds its KV on (an empty hello: a sender from before this field)
+        try:  # where the sender holds its KV (an empty hello: a sender from before this field)
             hello = msgpack.unpackb(store.get(f"pair/{pair_id}/hello") or msgpack.packb({}))
         except Exception:
             hello = {}
-        wants_nccl = isinstance(hello, dict) and hello.get("device") == "cuda" and self.device.type == "cuda"
+        hello = hello if isinstance(hello, dict) else {}
+        legacy = "device" not in hello  # its GPU payloads make the NCCL group lazily, on first use
+        on_gpus = self.device.type == "cuda" and hello.get("device") == "cuda"
+        # Both ends on one GPU: NCCL refuses a pair there; their KV goes through the host (gloo).
+        one_gpu = on_gpus and hello.get("gpu") is not None and hello.get("gpu") == _gpu_uuid(self.device)
         with self._lock:
-            nccl = wants_nccl and len(self._nccl_pairs) < cfg.max_nccl_pairs
+            nccl = on_gpus and not one_gpu and len(self._nccl_pairs) < cfg.max_nccl_pairs
             if len(self._pairs) < cfg.max_pairs:
                 idle_s = cfg.nccl_pair_idle_s if nccl else cfg.pair_idle_s
+                mode = _NCCL_LAZY if legacy and self.device.type == "cuda" else (_NCCL_AT_PAIRING if nccl else _NO_NCCL)
                 thread = threading.Thread(
-                    target=self._pair_loop, args=(pair_id, nccl, idle_s), name=f"kv-torch-pair-{pair_id}", daemon=True
+                    target=self._pair_loop, args=(pair_id, mode, idle_s), name=f"kv-torch-pair-{pair_id}", daemon=True
                 )
                 self._pairs[pair_id] = thread
                 if nccl:
@@ -368,13 +391,16 @@ class _Endpoint:
             )
             verdict = {"ok": False, "reason": f"receiver at its limit of {cfg.max_pairs} concurrent pairs"}
         else:
-            # "cuda": this pair's GPU payloads go over NCCL; "cpu": through the host.
-            verdict = {"ok": True, "pair_idle_s": idle_s, "device": "cuda" if nccl else "cpu"}
+            # device: where this side's cache is; nccl (absent for a sender from before it): whether
+            # the pair's NCCL communicator is made now, at pairing (else GPU payloads go through the host).
+            verdict = {"ok": True, "pair_idle_s": idle_s, "device": self.device.type}
+            if not legacy:
+                verdict["nccl"] = nccl
         store.set(f"pair/{pair_id}/verdict", msgpack.packb(verdict))
         if thread is not None:
             thread.start()
 
-    def _pair_loop(self, pair_id: int, nccl: bool, idle_s: float) -> None:
+    def _pair_loop(self, pair_id: int, mode: str, idle_s: float) -> None:
         run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         pair = None
         try:
@@ -383,9 +409,9 @@ class _Endpoint:
             pair = _Pair(client, pair_id, 0, self.host, self.config.connect_timeout_s, self.config.nccl_timeout_s)
             # NCCL receives and the landings after them on this thread's own stream, never the compute one.
             with self.receiver.landing_stream():
-                if nccl:
+                if mode == _NCCL_AT_PAIRING:
                     pair.connect_nccl(self.device, time.monotonic() + self.config.connect_timeout_s)
-                self._serve_pair(pair, nccl, idle_s)
+                self._serve_pair(pair, mode != _NO_NCCL, idle_s)
         except (TimeoutError, ConnectionError, RuntimeError) as exc:  # the sender left, died or broke the protocol
             logger.debug("torch KV pair %d on port %d closed: %s", pair_id, self.port, exc)
         except Exception:
@@ -416,19 +442,23 @@ class _Endpoint:
             if self.stopped.is_set():
                 _send_verdict(pair, verdict, _UNAVAILABLE, "receiver shut down", deadline)
                 return
-            device = on_device and nccl
+            device = bool(on_device)  # the payload comes over NCCL, into this GPU
             if (
                 not 0 < header_len <= _MAX_HEADER
                 or payload_len < 0
-                or (on_device and not device)
+                or (device and not nccl)
                 or not 0 <= pieces <= MAX_DIRECT_PIECES
-                or (pieces and device != nccl)
             ):
                 raise ConnectionError(
                     f"malformed chunk head ({header_len}-byte header, {payload_len}-byte payload, "
                     f"on device: {bool(on_device)}, {pieces} pieces)"
                 )
             header = bytes(head_view[_HEAD.size : _HEAD.size + header_len])
+            if pieces and device != (self.device.type == "cuda"):
+                # Pieces land where they are received: host pieces cannot go into GPU blocks (nor GPU
+                # pieces into host ones). Declined: the sender sends copies (nothing was posted).
+                _send_verdict(pair, verdict, _DECLINED, "pieces on another device than this cache", deadline)
+                return
             if pieces:
                 status, reason, posted = self._receive_in_place(pair, header, payload_len, pieces, deadline)
                 _send_verdict(pair, verdict, status, reason, deadline)
@@ -539,6 +569,7 @@ class _TorchDistChannel(KVChannel):
         self._pair: _Pair | None = None
         self._pair_idle_s = config.pair_idle_s  # the receiver's, once paired
         self._receiver_device = "cpu"
+        self._nccl = False  # this pair carries GPU payloads over NCCL
         self._last_used = 0.0
         self._head = torch.zeros(_HEAD_BYTES, dtype=torch.uint8)
         self._verdict = torch.zeros(_VERDICT_BYTES, dtype=torch.uint8)
@@ -548,25 +579,27 @@ class _TorchDistChannel(KVChannel):
     def send(
         self, header: bytes, payload: memoryview | bytes | torch.Tensor, timeout_s: float, tag: str | None = None
     ) -> None:
-        on_gpu = isinstance(payload, torch.Tensor) and payload.device.type == "cuda"
         with self._lock:
-            deadline = self._ready(header, timeout_s, payload.device if on_gpu else None)  # type: ignore[union-attr]
-            self._deliver(header, [self._payload_tensor(payload, self._receiver_device)], False, deadline)
+            deadline = self._ready(header, timeout_s)
+            self._deliver(header, [self._payload_tensor(payload, "cuda" if self._nccl else "cpu")], False, deadline)
 
     def send_pieces(self, header: bytes, pieces: list[torch.Tensor], timeout_s: float, tag: str | None = None) -> bool:
         if not self.sends_in_place or not 0 < len(pieces) <= MAX_DIRECT_PIECES:
             return False
         with self._lock:
-            deadline = self._ready(header, timeout_s, pieces[0].device if pieces[0].device.type == "cuda" else None)
-            # Both ends on the host (gloo) or both on GPUs (NCCL); anything else is copied across.
-            if {piece.device.type for piece in pieces} != {"cuda" if self._receiver_device == "cuda" else "cpu"}:
+            deadline = self._ready(header, timeout_s)
+            # Both ends on the host (gloo) or both on GPUs with NCCL; anything else is copied across.
+            on_host = {piece.device.type for piece in pieces} == {"cpu"} and self._receiver_device == "cpu"
+            on_gpus = {piece.device.type for piece in pieces} == {"cuda"} and self._nccl
+            if not (on_host or on_gpus):
                 return False
             parts = [piece.reshape(-1).view(torch.uint8) for piece in pieces]  # views: contiguous pieces
             return self._deliver(header, parts, True, deadline)
 
-    def _ready(self, header: bytes, timeout_s: float, gpu: torch.device | None) -> float:
+    def _ready(self, header: bytes, timeout_s: float) -> float:
         """Checks the header and pairs up (anew after idling); returns the chunk's deadline. Lock
-        held. ``gpu``: the GPU this chunk's payload is on (a pair made for it asks for NCCL)."""
+        held. A pair made on a sending thread inside a GPU's transfer stream (where the KV lives)
+        asks for NCCL."""
         deadline = time.monotonic() + timeout_s
         if len(header) > _MAX_HEADER:
             raise TransferRefused(
@@ -575,7 +608,7 @@ class _TorchDistChannel(KVChannel):
         if self._pair is not None and time.monotonic() - self._last_used > self._pair_idle_s / 2:
             self._drop()  # the receiver closes idle pairs; re-pair rather than race it
         if self._pair is None:
-            self._pair_up(deadline, gpu)
+            self._pair_up(deadline, current_transfer_device())
         return deadline
 
     def _deliver(self, header: bytes, parts: list[torch.Tensor], in_place: bool, deadline: float) -> bool:
@@ -648,7 +681,8 @@ class _TorchDistChannel(KVChannel):
         try:
             store = dist.TCPStore(self.host, self.port, is_master=False, timeout=_td(left))
             pair_id = store.add(_NEXT_ID, 1)
-            store.set(f"pair/{pair_id}/hello", msgpack.packb({"device": "cuda" if gpu is not None else "cpu"}))
+            hello = {"device": "cuda" if gpu is not None else "cpu", "gpu": _gpu_uuid(gpu) if gpu is not None else None}
+            store.set(f"pair/{pair_id}/hello", msgpack.packb(hello))
             verdict_key = f"pair/{pair_id}/verdict"
             store.wait([verdict_key], _td(end - time.monotonic()))
             verdict = msgpack.unpackb(store.get(verdict_key))
@@ -657,7 +691,7 @@ class _TorchDistChannel(KVChannel):
             if not verdict["ok"]:
                 raise ConnectionError(f"{self.endpoint} refused to pair: {verdict['reason']}")
             pair = _Pair(store, pair_id, 1, local, end - time.monotonic(), self.config.nccl_timeout_s)
-            if verdict["device"] == "cuda" and gpu is not None:
+            if verdict.get("nccl") and gpu is not None:
                 try:
                     pair.connect_nccl(gpu, end)
                 except BaseException:
@@ -670,6 +704,8 @@ class _TorchDistChannel(KVChannel):
             raise kind(f"pairing with {self.endpoint}: {message}") from None
         self._pair_idle_s = verdict["pair_idle_s"]
         self._receiver_device = verdict["device"]
+        # A receiver from before "nccl" makes its NCCL group lazily, on the first GPU payload.
+        self._nccl = gpu is not None and bool(verdict.get("nccl", verdict["device"] == "cuda"))
         self._last_used = time.monotonic()
 
     def _drop(self) -> None:

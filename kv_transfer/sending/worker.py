@@ -85,7 +85,7 @@ class SendWorker:
                         # On the transfer stream, after the compute stream wrote each layer.
                         with on_transfer_stream(item.kv_layer.device):
                             for layer in layers:
-                                wait_for(layer.ready)
+                                wait_for(layer.ready, layer.kv_layer.device)
                             self.pusher.send_layers(push, layers)
                     case WindowItem():
                         self.book.open_window(push, item.src_block_ids)

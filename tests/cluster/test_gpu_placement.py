@@ -107,13 +107,19 @@ def test_every_replica_and_shard_gets_its_own_gpu_and_a_fifth_waits_for_one(fake
     assert fifth in prefill and fifth not in {g for replica in decode for g in replica}
 
 
-def test_on_gpus_the_planners_budget_is_rays_gpu_count(fake_gpu_ray):
+def test_on_gpus_the_planners_budget_is_rays_gpu_count():
     config = ClusterConfig(device="cuda", mode="disagg", planner=PlannerConfig(enabled=True))
-    assert app.with_resolved_gpu_budget(config).planner.budget == NUM_GPUS
     pinned = ClusterConfig(device="cuda", mode="disagg", planner=PlannerConfig(enabled=True, budget=2))
-    assert app.with_resolved_gpu_budget(pinned).planner.budget == 2
     cpu = ClusterConfig(device="cpu", mode="disagg", planner=PlannerConfig(enabled=True))
-    assert app.with_resolved_gpu_budget(cpu).planner.budget is None
+    # One GPU: fewer than a replica of each pool (an autoscaler has not added GPU nodes yet): no cap.
+    for gpus, expected in ((NUM_GPUS, NUM_GPUS), (1, None)):
+        ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False)
+        try:
+            assert app.with_resolved_gpu_budget(config).planner.budget == expected
+            assert app.with_resolved_gpu_budget(pinned).planner.budget == 2
+            assert app.with_resolved_gpu_budget(cpu).planner.budget is None
+        finally:
+            ray.shutdown()
 
 
 def test_a_cpu_pool_asks_ray_for_no_gpu_and_a_cluster_refuses_a_gpu_index():

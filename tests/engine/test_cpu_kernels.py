@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -313,4 +314,5 @@ def test_the_kernels_follow_torchs_isa_so_one_variable_emulates_an_avx2_machine(
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["AVX2", "False"]
     (built,) = (tmp_path / "kernels").glob("*.so")
-    assert b"vcvtneps2bf16" not in subprocess.run(["objdump", "-d", str(built)], capture_output=True).stdout
+    if shutil.which("objdump"):  # binutils comes with the compiler the kernels need, but check
+        assert b"vcvtneps2bf16" not in subprocess.run(["objdump", "-d", str(built)], capture_output=True).stdout

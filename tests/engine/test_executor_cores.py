@@ -61,3 +61,22 @@ def test_an_offline_tp_engine_gives_its_hosts_threads_back(tiny_dir):
     finally:
         engine.shutdown()
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.skipif(len(host_cores()) < 2, reason="needs two cores")
+def test_an_engine_that_fails_to_start_gives_its_hosts_threads_back(tiny_dir):
+    from engine.executor import Executor, WorkerLauncher
+
+    class FailingLauncher(WorkerLauncher):
+        def launch(self, rank, world_size, init_method, config, model_dir):
+            raise OSError("no shard process could be started")
+
+    threads = torch.get_num_threads()
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_dir)),
+        cache=CacheConfig(kv_cache_memory=8 * 2**20),
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    with pytest.raises(OSError, match="no shard process"):
+        Executor(config, tiny_dir, FailingLauncher())
+    assert torch.get_num_threads() == threads

@@ -62,7 +62,7 @@ def test_each_layer_is_read_on_the_transfer_stream_only_after_its_ready_event(mo
 
     monkeypatch.setattr(sender, "layer_ready", ready)
     monkeypatch.setattr(worker, "on_transfer_stream", rec.stream)
-    monkeypatch.setattr(worker, "wait_for", lambda event: rec.log("waited", event))
+    monkeypatch.setattr(worker, "wait_for", lambda event, device: rec.log("waited", event))
     real_send = worker.Pusher.send_layers
 
     def send_layers(self, push, layers):
@@ -88,31 +88,43 @@ def test_each_layer_is_read_on_the_transfer_stream_only_after_its_ready_event(mo
 
 
 def test_a_chunk_counts_as_landed_only_after_the_receivers_stream_settled(monkeypatch):
-    """poll() takes the receiver's lock: apply() must settle its stream before letting go of it."""
+    """poll() takes the receiver's lock. A copied chunk (apply) lands on the transfer stream and is
+    settled before the lock is let go; a chunk received in place (tcp: begin/end_direct) is settled
+    before it is marked landed at all."""
     rec = Recorder()
     monkeypatch.setattr(receiver, "on_transfer_stream", rec.stream)
     real_landed = receiver.Completion.landed
 
     def landed(self, incoming, headers, keys, nbytes, in_place):
-        rec.log("landed", tuple(h.layer for h in headers))
+        rec.log("landed", in_place)
         return real_landed(self, incoming, headers, keys, nbytes, in_place)
 
-    monkeypatch.setattr(receiver.Completion, "landed", landed)
+    made: list[KVReceiver] = []
+    real_init = KVReceiver.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
 
     def settle(device):
-        rec.log("settled", None)
+        rec.log("settled", all(rx._lock.locked() for rx in made))
 
+    monkeypatch.setattr(receiver.Completion, "landed", landed)
+    monkeypatch.setattr(KVReceiver, "__init__", init)
     monkeypatch.setattr(receiver, "settle", settle)
-    for transport in (InProcTransport(), TcpTransport()):
+    for transport, in_place in ((InProcTransport(), False), (TcpTransport(), True)):
         rec.events.clear()
+        made.clear()
         receivers, senders, *_ = transfer(transport, 1, 1, num_layers=3)
         assert wait_terminal([functools.partial(receivers[0].poll, "req-1")])[0].state is TransferState.DONE
-        kinds = [e[0] for e in rec.events]
-        assert "landed" in kinds and kinds[-1] == "settled", kinds
-        for i, kind in enumerate(kinds):  # each landing is followed by a settle before the next chunk
-            if kind == "landed":
-                assert "settled" in kinds[i + 1 :], kinds
-        assert all(inside for kind, _, inside in rec.events if kind == "landed")  # on the transfer stream
+        events = [(kind, value) for kind, value, _ in rec.events]
+        landings = [i for i, (kind, _) in enumerate(events) if kind == "landed"]
+        assert landings and all(events[i][1] is in_place for i in landings), events
+        for n, i in enumerate(landings):
+            if in_place:  # settled since the previous landing, before this one
+                assert ("settled", False) in events[(landings[n - 1] + 1 if n else 0) : i], events
+            else:  # settled after it, with the lock still held
+                assert events[i + 1] == ("settled", True), events
         for s in senders:
             s.close()
         transport.shutdown()
@@ -140,7 +152,7 @@ def test_on_cpu_the_stream_functions_do_nothing_and_staging_passes_tensors_throu
     layer = torch.ones(2, 3)
     assert device_streams.layer_ready(layer) is None
     with device_streams.on_transfer_stream(torch.device("cpu")):
-        device_streams.wait_for(None)
+        device_streams.wait_for(None, torch.device("cpu"))
         device_streams.settle(torch.device("cpu"))
     staging = HostStaging()
     assert staging.to_host(layer) is layer

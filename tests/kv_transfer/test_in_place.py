@@ -340,7 +340,7 @@ def _stalled_torch_sender(transport, endpoint, header, secret, nbytes, head_time
     """Sends a chunk's head and its K piece by hand, then stalls (V never comes). Returns the channel."""
     channel = transport.connect(endpoint)
     with channel._lock:
-        deadline = channel._ready(b"x", 10.0, None)
+        deadline = channel._ready(b"x", 10.0)
         pair = channel._pair
         view = memoryview(channel._head.numpy())
         raw = encode_header(header, secret)

@@ -5,6 +5,7 @@ group per sender, bounded pairs and payloads, idle pairs, peers that stall or di
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing as mp
 import os
 import signal
@@ -262,3 +263,35 @@ def test_cuda_payload_travels_over_nccl(transports):
         channel.close()
     finally:
         proc.kill()
+
+
+def _pair_by_hand(endpoint: str, hello: bytes) -> dict:
+    """A sender's pairing, its hello as given: the receiver's verdict."""
+    import msgpack
+    import torch.distributed as dist
+
+    host, _, port = endpoint.removeprefix("torch://").rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+    pair_id = store.add("pairs/next", 1)
+    store.set(f"pair/{pair_id}/hello", hello)
+    store.wait([f"pair/{pair_id}/verdict"], datetime.timedelta(seconds=10))
+    return msgpack.unpackb(store.get(f"pair/{pair_id}/verdict"))
+
+
+def test_a_pair_asks_for_nccl_only_with_kv_on_gpus_at_both_ends_and_old_senders_still_pair(transports):
+    import msgpack
+
+    dst, _ = make_side(1, fill=False)
+    endpoint = transports().serve(KVReceiver(dst.caches[0], dst.layouts[0], "torch"))
+    # A sender whose KV is on a GPU, to a receiver whose cache is on the host: no NCCL.
+    verdict = _pair_by_hand(endpoint, msgpack.packb({"device": "cuda", "gpu": "GPU-x"}))
+    assert verdict["ok"] and verdict["device"] == "cpu" and verdict["nccl"] is False
+    # A sender from before the hello carried a device: the verdict it knows, no "nccl" key.
+    verdict = _pair_by_hand(endpoint, b"")
+    assert verdict["ok"] and verdict["device"] == "cpu" and "nccl" not in verdict
+    # A channel on the host pairs without NCCL and sends host pieces in place.
+    channel = transports().connect(endpoint)
+    with pytest.raises(TransferRefused):
+        channel.send(b"junk", b"x", 5)
+    assert channel._nccl is False and channel._receiver_device == "cpu"
+    channel.close()
