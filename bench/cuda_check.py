@@ -105,18 +105,51 @@ def _engine(model_dir: Path, device: torch.device, role, backend: str, receive: 
     )
 
 
+def expect_hand_off(
+    decode: LLMEngine,
+    request_id: str,
+    ids: list[int],
+    params: SamplingParams,
+    backend: str = "inproc",
+    lease_s: float = 60,
+) -> dict:
+    """The decode side of a hand-off: the prompt's blocks reserved and the ticket registered on every
+    shard; the ticket (a dict), for the prefill engine's ``add_request``."""
+    block_ids = decode.reserve(request_id, ids, params)
+    ticket = make_ticket(
+        request_id, backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), lease_s
+    ).to_dict()
+    decode.expect_kv(request_id, ticket)
+    return ticket
+
+
+def tokenizer_dir_of(given: str | None) -> Path:
+    """``--tokenizer-dir``, else the prepared default model's directory."""
+    if given:
+        return Path(given)
+    from engine.model_loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "device": str(device), "cpus": os.cpu_count()}
+    if device.type == "cuda":
+        info |= {
+            "gpu": torch.cuda.get_device_name(device),
+            "cuda": torch.version.cuda,
+            "gpus": torch.cuda.device_count(),
+        }
+    return info
+
+
 def disagg_pair(model_dir: Path, device: torch.device, backend: str, prompts, expected, new_tokens: int) -> dict:
     prefill = _engine(model_dir, device, EngineRole.PREFILL, backend, receive=False)
     decode = _engine(model_dir, device, EngineRole.DECODE, backend, receive=True)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         for i, ids in enumerate(prompts):
-            block_ids = decode.reserve(f"r{i}", ids, params)
-            ticket = make_ticket(
-                f"r{i}", backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
-            ).to_dict()
-            decode.expect_kv(f"r{i}", ticket)
-            prefill.add_request(f"r{i}", ids, params, kv_ticket=ticket)
+            prefill.add_request(f"r{i}", ids, params, kv_ticket=expect_hand_off(decode, f"r{i}", ids, params, backend))
         finished: dict = {}
         start = time.perf_counter()
         while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
@@ -332,15 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", nargs="+", default=["oracle", "tp", "speed", "disagg"])
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if args.tokenizer_dir:
-        tokenizer_dir = Path(args.tokenizer_dir)
-    else:
-        from engine.model_loader import resolve_model_dir
-
-        tokenizer_dir = resolve_model_dir(None)
-    info = {"torch": torch.__version__, "device": str(device), "cpus": os.cpu_count()}
-    if device.type == "cuda":
-        info |= {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    tokenizer_dir = tokenizer_dir_of(args.tokenizer_dir)
+    info = machine_info(device)
     print(info)
     result: dict = {"info": info}
     with tempfile.TemporaryDirectory() as tmp:

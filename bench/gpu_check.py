@@ -299,13 +299,7 @@ def push_overhead(smol: Path, device: torch.device) -> list[dict]:
                 params = SamplingParams(temperature=0.0, max_tokens=1)
                 for i, ids in enumerate(prompts):
                     rid = f"{rep}-{i}"
-                    ticket = None
-                    if pushed:
-                        block_ids = decode.reserve(rid, ids, params)
-                        ticket = cuda_check.make_ticket(
-                            rid, "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
-                        ).to_dict()
-                        decode.expect_kv(rid, ticket)
+                    ticket = cuda_check.expect_hand_off(decode, rid, ids, params, "inproc") if pushed else None
                     prefill.add_request(rid, ids, params, kv_ticket=ticket)
                 _sync()
                 start = time.perf_counter()
@@ -358,15 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big-layers", type=int, default=4, help="layers of the 8B-shaped model (of 32)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if args.tokenizer_dir:
-        tokenizer_dir = Path(args.tokenizer_dir)
-    else:
-        from engine.model_loader import resolve_model_dir
-
-        tokenizer_dir = resolve_model_dir(None)
-    info = {"torch": torch.__version__, "device": str(device), "gpus": gpus(), "cpus": os.cpu_count()}
-    if device.type == "cuda":
-        info |= {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    tokenizer_dir = cuda_check.tokenizer_dir_of(args.tokenizer_dir)
+    info = cuda_check.machine_info(device)
     print(info)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_llama(Path(tmp) / "tiny", tokenizer_dir)

@@ -15,7 +15,6 @@ from bench import cuda_check
 from common.config import CacheConfig, EngineConfig, EngineRole, ModelConfig
 from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from kv_transfer import make_ticket
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -96,11 +95,7 @@ def test_a_prefill_step_out_of_memory_mid_push_ends_the_hand_off_on_both_sides(t
         _oom_in_a_step_longer_than(prefill, 0, after_layer=after_layer)
 
         def hand_off(request_id: str, ids: list[int]) -> None:
-            block_ids = decode.reserve(request_id, ids, GREEDY)
-            ticket = make_ticket(
-                request_id, "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 30
-            ).to_dict()
-            decode.expect_kv(request_id, ticket)
+            ticket = cuda_check.expect_hand_off(decode, request_id, ids, GREEDY, "inproc", lease_s=30)
             prefill.add_request(request_id, ids, GREEDY, kv_ticket=ticket)
 
         hand_off("r0", list(range(10, 60)))

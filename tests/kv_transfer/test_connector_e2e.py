@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from bench.cuda_check import expect_hand_off as _hand_out
 from common.config import (
     CacheConfig,
     EngineConfig,
@@ -43,18 +44,6 @@ def engine(
             ),
         )
     )
-
-
-def _hand_out(
-    decode: LLMEngine, request_id: str, ids: list[int], params: SamplingParams, backend="inproc", lease_s=60.0
-) -> dict:
-    """Reserve the prompt's blocks on ``decode`` and register its ticket there; the ticket."""
-    block_ids = decode.reserve(request_id, ids, params)
-    ticket = make_ticket(
-        request_id, backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), lease_s
-    ).to_dict()
-    decode.expect_kv(request_id, ticket)
-    return ticket
 
 
 def run_pair(prefill: LLMEngine, decode: LLMEngine, backend: str, prompts: list[list[int]], lease_s=60.0):
