@@ -60,7 +60,8 @@ class RayShardLauncher(WorkerLauncher):
         options: dict = {"num_cpus": self.cpus_per_shard, "name": None}
         if self.gpus_per_shard:
             options["num_gpus"] = self.gpus_per_shard
-        group = get_current_placement_group()
+        # Asked outside Ray (no placement group), get_current_placement_group would start one.
+        group = get_current_placement_group() if ray.is_initialized() else None
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=rank

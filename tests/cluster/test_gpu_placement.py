@@ -130,5 +130,6 @@ def test_a_cpu_pool_asks_ray_for_no_gpu_and_a_cluster_refuses_a_gpu_index():
     assert placement["ray_actor_options"] == {"num_cpus": 1.0}
     assert placement["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert "num_gpus" not in RayShardLauncher(1.0, cpu.gpus_per_shard).actor_options(1)
+    assert not ray.is_initialized()  # asking for the options started no Ray (a later test's would be this one)
     with pytest.raises(ConfigError, match="use device: cuda"):
         ClusterConfig(device="cuda:1")
