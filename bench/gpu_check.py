@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -262,7 +263,7 @@ def decode_floor(name: str, model_dir: Path, device: torch.device, bandwidth: fl
         engine.shutdown()
 
 
-def peak_attention_memory(smol: Path, device: torch.device) -> list[dict]:
+def peak_attention_memory(device: torch.device) -> list[dict]:
     """One layer's attention for a 2,048-token chunk after 6,144 tokens of context (a later chunk,
     the shape of a long prompt's last chunk or a prefix-cache hit): the memory it allocates."""
     from engine.attention.torch_paged import attend_after_context
@@ -356,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     info = cuda_check.machine_info(device)
     print(info)
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = build_tiny_llama(Path(tmp) / "tiny", tokenizer_dir)
-        smol = build_smol_shaped(Path(tmp) / "smol", tokenizer_dir)
+        # Built when a part first needs them (the SmolLM2-shaped one is ~0.5 GB to write).
+        tiny = functools.cache(lambda: build_tiny_llama(Path(tmp) / "tiny", tokenizer_dir))
+        smol = functools.cache(lambda: build_smol_shaped(Path(tmp) / "smol", tokenizer_dir))
         bandwidth: list[float] = []
 
         def measured_bandwidth() -> float:
@@ -377,20 +379,20 @@ def main(argv: list[str] | None = None) -> int:
                 max_position_embeddings=8192,
                 weight_std=0.02,
             )
-            return decode_floor("smol-shaped", smol, device, measured_bandwidth(), 320) + decode_floor(
+            return decode_floor("smol-shaped", smol(), device, measured_bandwidth(), 320) + decode_floor(
                 f"8B-shaped ({args.big_layers} of 32 layers)", big, device, measured_bandwidth(), 1024
             )
 
         available = {
-            "oracle": lambda: oracle(tiny, smol, device, args.long_tokens),
-            "bf16": lambda: bf16_agreement(smol, device),
-            "sampler": lambda: sampler(smol, device),
-            "disagg": lambda: disagg(smol, device, args.long_tokens),
-            "tp": lambda: tensor_parallel(tiny, device),
+            "oracle": lambda: oracle(tiny(), smol(), device, args.long_tokens),
+            "bf16": lambda: bf16_agreement(smol(), device),
+            "sampler": lambda: sampler(smol(), device),
+            "disagg": lambda: disagg(smol(), device, args.long_tokens),
+            "tp": lambda: tensor_parallel(tiny(), device),
             "bandwidth": lambda: [{"HBM GB/s": measured_bandwidth() / 1e9}],
             "floor": floor,
-            "attention_memory": lambda: peak_attention_memory(smol, device),
-            "push_overhead": lambda: push_overhead(smol, device),
+            "attention_memory": lambda: peak_attention_memory(device),
+            "push_overhead": lambda: push_overhead(smol(), device),
         }
         unknown = set(args.parts) - set(available)
         if unknown:

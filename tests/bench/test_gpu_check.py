@@ -22,6 +22,8 @@ def test_the_sampler_check_passes_and_catches_a_seed_that_is_not_kept(smol_dir, 
     # A generator that forgets its seed: the seeded request differs alone and in a batch.
     counter = iter(range(10**6))
     monkeypatch.setattr(llm_engine, "make_generator", lambda seed, device: make_generator(next(counter), device))
+    # The whole command, on the tiny model in place of the SmolLM2-shaped one (the part's logic is the same).
+    monkeypatch.setattr(gpu_check, "build_smol_shaped", lambda out_dir, tokenizer_dir: tiny_dir)
     assert gpu_check.main(["--device", "cpu", "--tokenizer-dir", str(smol_dir), "--parts", "sampler"]) == 1
     assert '"passed": false' in capsys.readouterr().out
 

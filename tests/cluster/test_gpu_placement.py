@@ -107,19 +107,18 @@ def test_every_replica_and_shard_gets_its_own_gpu_and_a_fifth_waits_for_one(fake
     assert fifth in prefill and fifth not in {g for replica in decode for g in replica}
 
 
-def test_on_gpus_the_planners_budget_is_rays_gpu_count():
+def test_on_gpus_the_planners_budget_is_rays_gpu_count(monkeypatch):
+    """Ray's GPU count, read as it is in the test above; here handed in (a stand-in for the count,
+    not the cluster: starting Ray twice more would cost 20 s of the suite)."""
     config = ClusterConfig(device="cuda", mode="disagg", planner=PlannerConfig(enabled=True))
     pinned = ClusterConfig(device="cuda", mode="disagg", planner=PlannerConfig(enabled=True, budget=2))
     cpu = ClusterConfig(device="cpu", mode="disagg", planner=PlannerConfig(enabled=True))
     # One GPU: fewer than a replica of each pool (an autoscaler has not added GPU nodes yet): no cap.
     for gpus, expected in ((NUM_GPUS, NUM_GPUS), (1, None)):
-        ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False)
-        try:
-            assert app.with_resolved_gpu_budget(config).planner.budget == expected
-            assert app.with_resolved_gpu_budget(pinned).planner.budget == 2
-            assert app.with_resolved_gpu_budget(cpu).planner.budget is None
-        finally:
-            ray.shutdown()
+        monkeypatch.setattr(ray, "cluster_resources", lambda gpus=gpus: {"CPU": 8.0, "GPU": float(gpus)})
+        assert app.with_resolved_gpu_budget(config).planner.budget == expected
+        assert app.with_resolved_gpu_budget(pinned).planner.budget == 2
+        assert app.with_resolved_gpu_budget(cpu).planner.budget is None
 
 
 def test_a_cpu_pool_asks_ray_for_no_gpu_and_a_cluster_refuses_a_gpu_index():
