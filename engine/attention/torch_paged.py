@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, StepTensors
 from engine.cpu_kernels import DecodeAttention, PrefillAttention, kernels_for
@@ -206,6 +205,10 @@ def attend_after_context(
     memory-efficient kernels take without a mask tensor."""
     if mask is not None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, ~3 s of every engine process's
+    # start on CPU, where this path never runs.
+    from torch.nn.attention.bias import causal_lower_right
+
     group = query.shape[1] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
