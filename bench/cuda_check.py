@@ -72,8 +72,17 @@ def _prompts(tokenizer, long_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def check_oracle(name: str, model_dir: Path, device: torch.device, long_tokens: int, new_tokens: int) -> list[dict]:
-    """pdserve's greedy output against transformers' on ``device``, float32; a second pass hits the prefix cache."""
+def check_oracle(
+    name: str,
+    model_dir: Path,
+    device: torch.device,
+    long_tokens: int,
+    new_tokens: int,
+    paths: dict[str, dict] | None = None,
+) -> list[dict]:
+    """pdserve's greedy output against transformers' on ``device``, float32; a second pass hits the
+    prefix cache. ``paths``: engine options by label (e.g. the torch and Triton backends, CUDA
+    graphs on and off), each checked against the same reference."""
     hf = load_hf(model_dir, torch.float32, device)
     tokenizer = load_tokenizer(model_dir)
     prompts = _prompts(tokenizer, long_tokens)
@@ -81,15 +90,23 @@ def check_oracle(name: str, model_dir: Path, device: torch.device, long_tokens: 
     del hf
     rows = []
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    with LLM(
-        str(model_dir), dtype="float32", device=device.type, kv_cache_memory=256 * 2**20, max_num_batched_tokens=256
-    ) as llm:
-        for attempt in ("cold", "prefix cache"):
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            for i, (ids, want, have) in enumerate(zip(prompts, expected, got, strict=True)):
-                # HF stops at EOS, pdserve (ignore_eos) does not: compare what HF produced.
-                same = list(have[: len(want)]) == want
-                rows.append({"model": name, "pass": attempt, "prompt": i, "tokens": len(ids), "equal": same})
+    for path, options in (paths or {"default": {}}).items():
+        with LLM(
+            str(model_dir),
+            dtype="float32",
+            device=device.type,
+            kv_cache_memory=256 * 2**20,
+            max_num_batched_tokens=256,
+            **options,
+        ) as llm:
+            for attempt in ("cold", "prefix cache"):
+                got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                for i, (ids, want, have) in enumerate(zip(prompts, expected, got, strict=True)):
+                    # HF stops at EOS, pdserve (ignore_eos) does not: compare what HF produced.
+                    same = list(have[: len(want)]) == want
+                    rows.append(
+                        {"model": name, "path": path, "pass": attempt, "prompt": i, "tokens": len(ids), "equal": same}
+                    )
     return rows
 
 

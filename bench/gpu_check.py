@@ -80,8 +80,8 @@ def _sync() -> None:
 
 
 def oracle(tiny: Path, smol: Path, device: torch.device, long_tokens: int) -> list[dict]:
-    rows = cuda_check.check_oracle("tiny", tiny, device, long_tokens, 24)
-    rows += cuda_check.check_oracle("smol-shaped", smol, device, long_tokens, 24)
+    rows = cuda_check.check_oracle("tiny", tiny, device, long_tokens, 24, PATHS)
+    rows += cuda_check.check_oracle("smol-shaped", smol, device, long_tokens, 24, PATHS)
     return [{**r, "ok": r["equal"]} for r in rows]
 
 
@@ -211,14 +211,33 @@ def hbm_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / best
 
 
+# The engine's paths on CUDA, each held to transformers' tokens: the torch backend (eager), the
+# Triton kernels eager, and the default (Triton, decode steps replayed as CUDA graphs).
+PATHS = {
+    "torch eager": {"attention_backend": "torch", "enforce_eager": True},
+    "triton eager": {"attention_backend": "triton", "enforce_eager": True},
+    "triton graphs": {},
+}
+
+
 def decode_floor(name: str, model_dir: Path, device: torch.device, bandwidth: float, context: int) -> list[dict]:
-    """Decode steps at batch 1 and 64 (``context`` tokens each) against weights + KV bytes / bandwidth."""
+    """Decode steps at batch 1 and 64 (``context`` tokens each) against weights + KV bytes /
+    bandwidth, on each path of ``PATHS``."""
+    rows = []
+    for path, options in PATHS.items():
+        rows += _decode_floor(name, model_dir, device, bandwidth, context, path, options)
+    return rows
+
+
+def _decode_floor(
+    name: str, model_dir: Path, device: torch.device, bandwidth: float, context: int, path: str, options: dict
+) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     prompts = exact_length_prompts(load_tokenizer(model_dir), 64, context)
     engine = LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=str(model_dir), dtype="bfloat16", device=str(device)),
+            model=ModelConfig(model=str(model_dir), dtype="bfloat16", device=str(device), **options),
             cache=CacheConfig(kv_cache_memory=0.5, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
         )
@@ -242,9 +261,13 @@ def decode_floor(name: str, model_dir: Path, device: torch.device, bandwidth: fl
                 cuda_check._step_ms(engine, device, 5)
             kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
             floor_ms = (weight_bytes + batch * (context + 10) * kv_bytes_per_token) / bandwidth * 1e3
+            capture = runner.graph_capture
             rows.append(
                 {
                     "model": name,
+                    "path": path,
+                    "graph capture s": capture.seconds if capture else None,
+                    "graph MiB": capture.memory_bytes / 2**20 if capture else None,
                     "layers": shape.num_layers,
                     "batch": batch,
                     "context": context,

@@ -164,6 +164,8 @@ class ClusterConfig:
     device: str = "auto"
     max_model_len: int | None = None
     compile: bool = True  # CPU: the compiled kernels (common.config.ModelConfig.compile); false: eager torch
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (common.config.ModelConfig)
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     block_size: int = 16
     # Per shard: bytes (an int > 1), or a fraction in (0, 1] of the memory free on its host when it
     # starts (split between its instance's shards). None: a local CPU cluster gives its KV caches
@@ -281,6 +283,8 @@ class ClusterConfig:
             device=self.device,
             max_model_len=self.max_model_len,
             compile=self.compile,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
         )
 
     def _cache_config(self, pool: str) -> CacheConfig:

@@ -33,6 +33,8 @@ FLAG_KEYS = {
     "port": "port",
     "dtype": "dtype",
     "compile": "compile",
+    "enforce_eager": "enforce_eager",
+    "attention_backend": "attention_backend",
     "transport": "transport",
     "address": "ray_address",
     "kv_host": "kv_host",
@@ -68,6 +70,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="CPU: run the layer stack through the compiled kernels (default on; --no-compile: plain torch, eager)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="CUDA: run every step eagerly (default: decode steps replay CUDA graphs captured at start-up)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        help="paged attention's kernels (default auto: triton on CUDA, torch elsewhere)",
     )
     parser.add_argument(
         "--transport",

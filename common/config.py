@@ -22,6 +22,8 @@ class EngineRole(str, enum.Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# auto: triton on CUDA where Triton is importable (torch's CUDA wheels ship it), else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class ModelConfig:
     # the system compiler, cached; one flat loop per step, engine.models.llama_cpu). false: plain
     # torch ops, eager (what CUDA runs). Both give float32 greedy output equal to transformers'.
     compile: bool = True
+    # CUDA: decode steps replay CUDA graphs captured at start-up (engine.cuda_graphs) unless true.
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -46,6 +51,13 @@ class ModelConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be a positive number of tokens")
         if type(self.compile) is not bool:
             raise ConfigError(f"compile={self.compile!r} must be true or false")
+        if type(self.enforce_eager) is not bool:
+            raise ConfigError(f"enforce_eager={self.enforce_eager!r} must be true or false")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r} is not supported; "
+                f"use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ class LLM:
         max_decode_stall_s: float | None = None,
         cache_dir: str | None = None,
         compile: bool = True,
+        enforce_eager: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -44,6 +46,8 @@ class LLM:
                 max_model_len=max_model_len,
                 cache_dir=cache_dir,
                 compile=compile,
+                enforce_eager=enforce_eager,
+                attention_backend=attention_backend,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching

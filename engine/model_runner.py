@@ -15,6 +15,7 @@ from common.kv_messages import ConnectorStep, ShardReport
 from engine.attention import StepTensors, get_backend
 from engine.cpu_kernels import kernels_for
 from engine.cpu_kernels.prefill_probe import use_tiled_prefill
+from engine.cuda_graphs import CaptureReport, DecodeBatch, DecodeGraphs
 from engine.distributed.parallel import TensorParallel
 from engine.dtype_probe import advise_on_bfloat16, resolve_auto_dtype
 from engine.heap import keep_freed_memory
@@ -23,6 +24,7 @@ from engine.kv_connector import KVConnector, load_connector, model_fingerprint
 from engine.layers.linear import cpu_packing_available, pack_linear_weights
 from engine.models import check_tp_degree, resolve_architecture
 from engine.models.llama import LlamaForCausalLM, LlamaShape
+from engine.pinned_upload import PinnedUpload
 from engine.step_input import StepInput
 from engine.weights import iter_safetensors, read_config
 
@@ -50,6 +52,30 @@ def available_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# The largest decode batch captured as a CUDA graph (larger ones run eagerly: launches matter less).
+MAX_GRAPH_BATCH = 256
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """auto: the Triton kernels on CUDA where Triton imports (torch's CUDA wheels ship it), else torch."""
+    if requested != "auto":
+        if requested == "triton" and device.type != "cuda" and not _triton_interpreted():
+            raise ConfigError("attention_backend=triton needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
+        return requested
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("Triton is not installed: attention runs on the torch backend (gathers, no CUDA graphs)")
+        return "torch"
+    return "triton"
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _store_weights_column_major(model: torch.nn.Module) -> None:
@@ -98,9 +124,16 @@ class ModelRunner:
             config.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
         )
         compiled = config.model.compile
-        self.backend = get_backend("torch", cpu_kernels=compiled, tiled_prefill=self._tiled_prefill(compiled))
+        self.attention_backend = resolve_attention_backend(config.model.attention_backend, self.device)
+        if self.attention_backend == "triton":
+            compiled = False  # the CPU kernels are the torch backend's
+            self.backend = get_backend("triton", num_kv_heads=max(1, shape.num_kv_heads // tp.size))
+        else:
+            self.backend = get_backend("torch", cpu_kernels=compiled, tiled_prefill=self._tiled_prefill(compiled))
         with torch.device(self.device):
             self.model = LlamaForCausalLM(shape, tp, self.backend, self.dtype, self.max_model_len, compiled)
+        if self.attention_backend == "triton":
+            self.model.use_triton_ops()
         if tp.rank == 0:
             logger.info("layer stack: %s", _layer_stack(self.model, config, self.device))
         self.model.load_weights(iter_safetensors(model_dir))
@@ -120,8 +153,25 @@ class ModelRunner:
                 config.kv_connector.factory, config.kv_connector.options, self.layout, self.kv_caches, fingerprint
             )
             self.model.model.layer_hook = self.connector.after_layer
+        self._upload = PinnedUpload(self.device, torch.long)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_capture: CaptureReport | None = None
+        if self.attention_backend == "triton" and self.device.type == "cuda" and not config.model.enforce_eager:
+            self.graphs = self.decode_graphs()
+            self.graph_capture = self.graphs.capture()
         if self.device.type == "cpu":
             keep_freed_memory()  # after start-up's one-off allocations: only the steps' reuse matters
+
+    def decode_graphs(self) -> DecodeGraphs:
+        """The decode buckets' graphs over this shard's model and KV cache (not yet captured)."""
+        return DecodeGraphs(
+            lambda input_ids, positions, meta: self.model(input_ids, positions, self.kv_caches, meta),
+            max_batch=min(self.config.scheduler.max_num_seqs, MAX_GRAPH_BATCH),
+            max_model_len=self.max_model_len,
+            block_size=self.layout.block_size,
+            num_kv_heads=self.layout.num_kv_heads,
+            device=self.device,
+        )
 
     def connector_report(self, sampled: dict[str, int] | None) -> ShardReport:
         """This shard's connector report for the step (an empty one without a connector)."""
@@ -177,19 +227,29 @@ class ModelRunner:
         )
 
     def _tensors(self, step: StepInput) -> StepTensors:
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
+        # One host-to-device copy (pinned, non-blocking on CUDA) for the step's four int vectors.
+        vectors = [step.input_ids, step.positions, step.slot_mapping, step.logits_indices]
+        flat = self._upload(torch.tensor([x for v in vectors for x in v], dtype=torch.long))
+        input_ids, positions, slot_mapping, logits_indices = torch.split(flat, [len(v) for v in vectors])
         return StepTensors(
-            input_ids=as_tensor(step.input_ids),
-            positions=as_tensor(step.positions),
-            slot_mapping=as_tensor(step.slot_mapping),
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
             num_decodes=step.num_decodes,
             query_lens=step.query_lens,
             seq_lens=step.seq_lens,
             block_tables=step.block_tables,
-            logits_indices=as_tensor(step.logits_indices),
+            logits_indices=logits_indices,
         )
+
+    def _replays(self, step: StepInput, connector_step: ConnectorStep | None) -> bool:
+        """Whether the step replays a decode graph: decodes only, a bucket holds them, and no KV
+        push needs the layers' hook (Python the graph would not replay)."""
+        if self.graphs is None or step.num_decodes != len(step.query_lens):
+            return False
+        if connector_step is not None and connector_step.pushes:
+            return False
+        return self.graphs.fits(_decode_batch(step))
 
     @torch.inference_mode()
     def execute(self, step: StepInput, connector_step: ConnectorStep | None = None) -> torch.Tensor | None:
@@ -199,6 +259,18 @@ class ModelRunner:
         """
         if self.connector is not None:
             self.connector.start_step(connector_step or ConnectorStep())
+        if self._replays(step, connector_step):
+            assert self.graphs is not None
+            hidden = self.graphs.run(_decode_batch(step))
+            indices = step.logits_indices
+            if not indices:
+                return None
+            if indices == list(range(len(indices))):  # every decode samples: no index copy
+                rows = hidden[: len(indices)]
+            else:
+                rows = hidden[self._upload(torch.tensor(indices, dtype=torch.long))]
+            logits = self.model.compute_logits(rows)
+            return logits.float() if logits is not None else None
         tensors = self._tensors(step)
         meta = self.backend.build_metadata(tensors, self.layout.block_size)
         hidden = self.model(tensors.input_ids, tensors.positions, self.kv_caches, meta)
@@ -206,3 +278,7 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[tensors.logits_indices])
         return logits.float() if logits is not None else None
+
+
+def _decode_batch(step: StepInput) -> DecodeBatch:
+    return DecodeBatch(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_tables)

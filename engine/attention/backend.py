@@ -59,7 +59,10 @@ class AttentionBackend(ABC):
         common.kv_layout). Writes k/v into their slots, returns attention output [T, Hq, D]."""
 
 
-_BACKENDS = {"torch": "engine.attention.torch_paged:TorchPagedAttention"}
+_BACKENDS = {
+    "torch": "engine.attention.torch_paged:TorchPagedAttention",
+    "triton": "engine.attention.triton_paged:TritonPagedAttention",  # imports Triton: CUDA, or its interpreter
+}
 
 
 def get_backend(name: str = "torch", **options: Any) -> AttentionBackend:

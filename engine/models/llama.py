@@ -77,6 +77,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = shape.head_dim
         self.scale = shape.head_dim**-0.5
         self.backend = backend
+        self.rotary_inplace = None  # the Triton kernel where the model runs them (use_triton_ops)
 
     def forward(self, hidden, kv_cache, meta: AttentionMetadata, rope: RotaryInputs):
         qkv = self.qkv_proj(hidden)
@@ -85,7 +86,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
+        if self.rotary_inplace is not None:
+            self.rotary_inplace(q, k, rope.positions, rope.cos_table, rope.sin_table)
+        else:
+            q, k = apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.view(-1, q_size))
 
@@ -96,9 +100,12 @@ class LlamaMLP(nn.Module):
         size = shape.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(shape.hidden_size, [size, size], shape.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(size, shape.hidden_size, shape.mlp_bias, tp, dtype)
+        self.silu_and_mul = None  # the Triton kernel where the model runs them (use_triton_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -183,6 +190,19 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def use_triton_ops(self) -> None:
+        """RMSNorm with its residual add, rotary in place and SiLU-and-multiply as one Triton kernel
+        each (engine.layers.triton_ops): the GPU path's layers, ~20 fewer launches a layer."""
+        from engine.layers import triton_ops
+
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = triton_ops.fused_add_rms_norm
+            elif isinstance(module, LlamaAttention):
+                module.rotary_inplace = triton_ops.rotary_inplace
+            elif isinstance(module, LlamaMLP):
+                module.silu_and_mul = triton_ops.silu_and_mul
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.compute_logits(hidden)
