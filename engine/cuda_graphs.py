@@ -52,6 +52,18 @@ def bucket_for(sizes: list[int], batch: int) -> int | None:
     return next((size for size in sizes if size >= batch), None)
 
 
+def memory_reserve(
+    max_batch: int, hidden: int, q_width: int, kv_width: int, intermediate: int, itemsize: int, splits: int
+) -> int:
+    """Device memory to leave the graphs' pool when the KV cache takes a fraction of what is free:
+    twice the largest bucket's activations of a layer (the pool holds one graph's peak; the others
+    reuse it) and the split decode's float32 scratch, plus 64 MiB for the libraries' workspaces."""
+    bucket = capture_sizes(max_batch)[-1]
+    activations = bucket * (4 * hidden + q_width + 2 * kv_width + 3 * intermediate) * itemsize
+    scratch = bucket * q_width * splits * 4 + bucket * (q_width // 8 + 1) * splits * 4
+    return 2 * (activations + scratch) + 64 * 2**20
+
+
 @dataclass
 class DecodeBatch:
     """One step's decodes as the host knows them (every sequence one new token)."""
@@ -133,7 +145,7 @@ class DecodeGraphs:
         free_after, _ = torch.cuda.mem_get_info(self.device)
         report = CaptureReport(self.sizes, time.monotonic() - started, max(0, free_before - free_after))
         logger.info(
-            "CUDA graphs: %d decode buckets (1..%d) captured in %.1f s, %.1f MiB",
+            "CUDA graphs: %d decode buckets (1..%d) captured in %.1f s, %.1f MiB of device memory",
             len(self.sizes),
             self.sizes[-1],
             report.seconds,

@@ -13,9 +13,10 @@ from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
 from common.kv_messages import ConnectorStep, ShardReport
 from engine.attention import StepTensors, get_backend
+from engine.attention.triton_paged import MAX_SPLITS
 from engine.cpu_kernels import kernels_for
 from engine.cpu_kernels.prefill_probe import use_tiled_prefill
-from engine.cuda_graphs import CaptureReport, DecodeBatch, DecodeGraphs
+from engine.cuda_graphs import CaptureReport, DecodeBatch, DecodeGraphs, memory_reserve
 from engine.distributed.parallel import TensorParallel
 from engine.dtype_probe import advise_on_bfloat16, resolve_auto_dtype
 from engine.heap import keep_freed_memory
@@ -142,6 +143,9 @@ class ModelRunner:
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             _store_weights_column_major(self.model)
         self.model.eval()
+        self.uses_graphs = (
+            self.attention_backend == "triton" and self.device.type == "cuda" and not config.model.enforce_eager
+        )
         self.layout = self._plan_kv_cache()
         self.kv_caches, self._kv_region = allocate_kv_caches(
             self.layout.layer_shape, shape.num_layers, self.dtype, self.device, shared=config.cache.shared_memory
@@ -156,7 +160,7 @@ class ModelRunner:
         self._upload = PinnedUpload(self.device, torch.long)
         self.graphs: DecodeGraphs | None = None
         self.graph_capture: CaptureReport | None = None
-        if self.attention_backend == "triton" and self.device.type == "cuda" and not config.model.enforce_eager:
+        if self.uses_graphs:
             self.graphs = self.decode_graphs()
             self.graph_capture = self.graphs.capture()
         if self.device.type == "cpu":
@@ -202,7 +206,8 @@ class ModelRunner:
         budget = cache.kv_cache_memory
         if isinstance(budget, float):
             shards_here = self.tp.size if self.device.type == "cpu" else 1
-            budget = int(available_memory_bytes(self.device) * budget / shards_here)
+            available = available_memory_bytes(self.device) - self._graph_memory_reserve()
+            budget = int(available * budget / shards_here)
         num_blocks = self.tp.all_reduce_min_cpu(budget // per_block)
         if num_blocks < 1:
             raise ConfigError(
@@ -224,6 +229,19 @@ class ModelRunner:
             total_kv_heads=self.shape.num_kv_heads,
             tp_size=self.tp.size,
             tp_rank=self.tp.rank,
+        )
+
+    def _graph_memory_reserve(self) -> int:
+        """What the decode graphs' pool may take, kept out of a fractional KV budget (0 without graphs)."""
+        if not self.uses_graphs:
+            return 0
+        shape, tp = self.shape, self.tp.size
+        q_width = shape.num_heads // tp * shape.head_dim
+        kv_width = max(1, shape.num_kv_heads // tp) * shape.head_dim
+        max_batch = min(self.config.scheduler.max_num_seqs, MAX_GRAPH_BATCH)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return memory_reserve(
+            max_batch, shape.hidden_size, q_width, kv_width, shape.intermediate_size // tp, itemsize, MAX_SPLITS
         )
 
     def _tensors(self, step: StepInput) -> StepTensors:

@@ -18,13 +18,14 @@ global RNG.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from common.outputs import TokenLogprob
 from common.sampling_params import SamplingParams
+from engine.pinned_upload import PinnedUpload
 
 _U64_MASK = (1 << 64) - 1
 
@@ -116,11 +117,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Top-k only (no full sort): ``top_k`` holds vocab_size for rows without top-k."""
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Top-k only (no full sort): ``top_k`` holds vocab_size for rows without top-k; ``max_k`` is
+    the largest k of the rows with one (given by the host: reading it back would sync the GPU)."""
     vocab_size = logits.shape[1]
     disabled = top_k >= vocab_size
-    max_k = int(top_k.masked_fill(disabled, 1).max().item())
     top_values = logits.topk(max_k, dim=-1).values
     kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
     kth = kth.masked_fill(disabled.unsqueeze(1), float("-inf"))
@@ -141,7 +142,19 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless; the caller owns per-request state (token history, generator)."""
+    """Stateless; the caller owns per-request state (token history, generator).
+
+    On CUDA the greedy, temperature, top-k, top-p and min-p paths read nothing back from the GPU
+    but the sampled ids: the rows' settings go up in one non-blocking copy from pinned memory."""
+
+    def __init__(self) -> None:
+        self._uploads: dict[torch.device, PinnedUpload] = {}
+
+    def _upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        upload = self._uploads.get(device)
+        if upload is None:
+            upload = self._uploads[device] = PinnedUpload(device, torch.float32)
+        return upload(host)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
@@ -154,7 +167,7 @@ class Sampler:
         logits = self._penalize(raw_logits, rows)
 
         greedy = [row.params.is_greedy for row in rows]
-        sampled = greedy_pick(logits) if all(greedy) else self._sample(logits, rows, greedy)
+        sampled = greedy_pick(logits) if all(greedy) else self._sample(logits, rows, greedy, self._upload)
 
         sampled_ids: list[int] = sampled.tolist()
         return SamplerOutput(sampled_token_ids=sampled_ids, logprobs=self._logprobs(raw_logits, sampled, rows))
@@ -179,30 +192,36 @@ class Sampler:
         return logits.index_copy(0, index, penalized)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, rows: Sequence[SamplingRequestState], greedy: list[bool]) -> torch.Tensor:
+    def _sample(
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRequestState],
+        greedy: list[bool],
+        upload: Callable[[torch.Tensor, torch.device], torch.Tensor],
+    ) -> torch.Tensor:
         device = logits.device
         vocab_size = logits.shape[1]
         greedy_ids = greedy_pick(logits) if any(greedy) else None
 
         # Greedy rows get neutral settings: their result is replaced by argmax below.
         temps = [1.0 if g else row.params.temperature for row, g in zip(rows, greedy, strict=True)]
-        if any(t != 1.0 for t in temps):
-            logits = logits / torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
-
         ks = [
             vocab_size if g or not 0 < row.params.top_k < vocab_size else row.params.top_k
             for row, g in zip(rows, greedy, strict=True)
         ]
         ps = [1.0 if g else row.params.top_p for row, g in zip(rows, greedy, strict=True)]
-        top_k = torch.tensor(ks, dtype=torch.long, device=device) if any(k < vocab_size for k in ks) else None
-        if any(p < 1.0 for p in ps):
-            logits = apply_top_k_top_p(logits, top_k, torch.tensor(ps, dtype=torch.float32, device=device))
-        elif top_k is not None:
-            logits = apply_top_k(logits, top_k)
-
         min_ps = [0.0 if g else row.params.min_p for row, g in zip(rows, greedy, strict=True)]
+        # Every row's settings in one copy (k is exact in float32: vocabularies stay below 2**24).
+        settings = upload(torch.tensor([temps, ks, ps, min_ps, greedy], dtype=torch.float32), device)
+        if any(t != 1.0 for t in temps):
+            logits = logits / settings[0].unsqueeze(1)
+        limited_ks = [k for k in ks if k < vocab_size]
+        top_k = settings[1].long() if limited_ks else None
+        if any(p < 1.0 for p in ps):
+            logits = apply_top_k_top_p(logits, top_k, settings[2])
+        elif top_k is not None:
+            logits = apply_top_k(logits, top_k, max(limited_ks))
         if any(m > 0.0 for m in min_ps):
-            logits = apply_min_p(logits, torch.tensor(min_ps, dtype=torch.float32, device=device))
+            logits = apply_min_p(logits, settings[3])
 
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a sample from p (Gumbel-max in disguise),
@@ -218,7 +237,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
 
         if greedy_ids is not None:
-            sampled = torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
+            sampled = torch.where(settings[4] > 0.5, greedy_ids, sampled)
         return sampled
 
     @staticmethod

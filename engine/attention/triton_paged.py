@@ -21,7 +21,7 @@ from engine.pinned_upload import PinnedUpload
 
 # A decode program covers at least this many positions of one sequence's context when split.
 _MIN_SPLIT_POSITIONS = 256
-_MAX_SPLITS = 16
+MAX_SPLITS = 16
 
 
 @dataclass
@@ -45,7 +45,7 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     wanted = -(-programs // max(1, batch * num_kv_heads))
     worth = -(-max_context // _MIN_SPLIT_POSITIONS)
-    return max(1, min(wanted, worth, _MAX_SPLITS))
+    return max(1, min(wanted, worth, MAX_SPLITS))
 
 
 def padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:

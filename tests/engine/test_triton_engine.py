@@ -104,3 +104,13 @@ def test_padding_rows_store_nothing_where_a_real_slot_would_be_written(tiny_dir)
         before = runner.kv_caches[0].clone()
         graphs._forward(4)
         assert runner.kv_caches[0].equal(before)  # padding stores nothing
+
+
+def test_the_graphs_memory_reserve_covers_the_largest_bucket_and_grows_with_it():
+    from engine.cuda_graphs import memory_reserve
+
+    small = memory_reserve(8, 576, 576, 192, 1536, 2, 16)
+    large = memory_reserve(256, 576, 576, 192, 1536, 2, 16)
+    assert 64 * 2**20 < small < large
+    # An 8B layer at 256 rows in bfloat16: at least the gate/up activations of the bucket, twice.
+    assert memory_reserve(256, 4096, 4096, 1024, 14336, 2, 16) > 2 * 256 * 2 * 14336 * 2
