@@ -14,6 +14,7 @@ from common.kv_layout import KVCacheLayout, bytes_per_block
 from common.kv_messages import ConnectorStep, ShardReport
 from engine.attention import StepTensors, get_backend
 from engine.attention.triton_paged import MAX_SPLITS
+from engine.attention.triton_selfcheck import triton_unusable
 from engine.cpu_kernels import kernels_for
 from engine.cpu_kernels.prefill_probe import use_tiled_prefill
 from engine.cuda_graphs import CaptureReport, DecodeBatch, DecodeGraphs, memory_reserve
@@ -126,6 +127,13 @@ class ModelRunner:
         )
         compiled = config.model.compile
         self.attention_backend = resolve_attention_backend(config.model.attention_backend, self.device)
+        if self.attention_backend == "triton" and config.model.attention_backend == "auto":
+            heads, kv_heads = shape.num_heads // tp.size, max(1, shape.num_kv_heads // tp.size)
+            block_size = config.cache.block_size
+            unusable = triton_unusable(self.device, self.dtype, heads, kv_heads, shape.head_dim, block_size)
+            if unusable is not None:
+                logger.warning("the Triton kernels fail on %s (%s): attention runs on torch", self.device, unusable)
+                self.attention_backend = "torch"
         if self.attention_backend == "triton":
             compiled = False  # the CPU kernels are the torch backend's
             self.backend = get_backend("triton", num_kv_heads=max(1, shape.num_kv_heads // tp.size))

@@ -114,3 +114,27 @@ def test_the_graphs_memory_reserve_covers_the_largest_bucket_and_grows_with_it()
     assert 64 * 2**20 < small < large
     # An 8B layer at 256 rows in bfloat16: at least the gate/up activations of the bucket, twice.
     assert memory_reserve(256, 4096, 4096, 1024, 14336, 2, 16) > 2 * 256 * 2 * 14336 * 2
+
+
+def test_the_start_up_check_passes_here_and_names_a_kernel_that_is_wrong(monkeypatch):
+    import torch
+
+    from engine.attention import triton_kernels
+    from engine.attention.triton_selfcheck import triton_unusable
+
+    cpu = torch.device("cpu")
+    assert triton_unusable(cpu, torch.float32, 9, 3, 64, 16) is None
+    assert triton_unusable(cpu, torch.bfloat16, 4, 2, 32, 16) is None
+    real = triton_kernels.paged_decode_attention
+
+    def off_by_one(q, key_cache, value_cache, block_tables, seq_lens, scale, out, num_splits=1):
+        return real(q, key_cache, value_cache, block_tables, seq_lens - 1, scale, out, num_splits)
+
+    monkeypatch.setattr(triton_kernels, "paged_decode_attention", off_by_one)
+    assert "paged decode attention differs" in triton_unusable(cpu, torch.float32, 9, 3, 64, 16)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX JIT compilation failed")
+
+    monkeypatch.setattr(triton_kernels, "paged_decode_attention", broken)
+    assert "PTX JIT compilation failed" in triton_unusable(cpu, torch.float32, 9, 3, 64, 16)
