@@ -463,9 +463,10 @@ def build_app(
             pool: config.pool(pool).cores or config.pool(pool).tensor_parallel_size for pool in config.pools()
         },
     }
-    version = _version(RouterServer, (config.pools(), router_args, planner), router_options)
+    version = _version(RouterServer, (config.pools(), router_args, planner, config.router), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
-    return router.bind(decode, prefill, *router_args, scaler=scaler, **planner)
+    deadlines = {"header_timeout_s": config.router.header_timeout_s, "body_timeout_s": config.router.body_timeout_s}
+    return router.bind(decode, prefill, *router_args, scaler=scaler, **planner, **deadlines)
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:

@@ -123,6 +123,12 @@ class RouterConfig:
     kv_lease_per_token_s: float = 0.02
     max_concurrent_requests: int = 1024  # admission control: beyond it the router answers 503
     max_body_bytes: int = 32 * 2**20  # a larger request body is refused (413) before it is read whole
+    # A connection whose request headers are not complete this long after it opened (or after its
+    # last response) is closed: idle and trickling sockets do not hold the listener's slots.
+    header_timeout_s: float = 10.0
+    # A request body not whole this long after its headers is answered 408 and its admission slot
+    # freed (32 MiB in 30 s: a client slower than ~1 MiB/s with the largest body is refused).
+    body_timeout_s: float = 30.0
     max_retries: int = 1  # prefill retries / decode resumes per request
     # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
     # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
@@ -138,7 +144,7 @@ class RouterConfig:
             raise ConfigError("placement_policy='' is empty; name a policy such as 'cache_aware'")
         if self.kv_lease_per_token_s < 0:
             raise ConfigError(f"kv_lease_per_token_s={self.kv_lease_per_token_s} must be >= 0")
-        for key in ("request_timeout_s", "kv_lease_s"):
+        for key in ("request_timeout_s", "kv_lease_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be > 0 seconds")
         if self.max_concurrent_requests < 1:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,33 @@ def listening_socket(host: str, port: int, share_port: bool = True, backlog: int
         sock.close()
         raise
     return sock
+
+
+def with_header_deadline(protocol_class: type[asyncio.Protocol], timeout_s: float) -> type[asyncio.Protocol]:
+    """``protocol_class`` (uvicorn's h11 or httptools protocol) closing a connection whose request
+    headers are not complete ``timeout_s`` after it opened or after its last response ended.
+    uvicorn has no such deadline: sockets that connect and send nothing, or trickle a header a
+    byte at a time, would stay and count against ``limit_concurrency`` (then /health gets 503)."""
+
+    class HeaderDeadline(protocol_class):  # type: ignore[valid-type, misc]
+        def connection_made(self, transport):  # type: ignore[no-untyped-def]
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def _arm_header_deadline(self) -> None:
+            # The request in progress now: a new one's headers replace it when they are complete.
+            self.loop.call_later(timeout_s, self._header_deadline_passed, self.cycle)
+
+        def _header_deadline_passed(self, cycle_then: Any) -> None:
+            if self.cycle is cycle_then and not self.transport.is_closing():
+                self.transport.close()
+
+    HeaderDeadline.__name__ = f"{protocol_class.__name__}WithHeaderDeadline"
+    return HeaderDeadline
 
 
 class _ReplicaServer(uvicorn.Server):
@@ -69,6 +97,7 @@ class HttpListener:
         max_connections: int = 4096,
         keep_alive_s: float = 5.0,
         drain_timeout_s: float = 600.0,
+        header_timeout_s: float = 10.0,
     ) -> None:
         self.socket = listening_socket(host, port)
         self.host, self.port = host, self.socket.getsockname()[1]
@@ -81,6 +110,7 @@ class HttpListener:
             timeout_keep_alive=int(keep_alive_s),
             timeout_graceful_shutdown=int(drain_timeout_s),
             server_header=False,
+            http=with_header_deadline(AutoHTTPProtocol, header_timeout_s),
         )
         self._server = _ReplicaServer(config)
         self._task: asyncio.Task | None = None

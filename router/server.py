@@ -78,18 +78,25 @@ def _request_ids(request: Request) -> tuple[str, str]:
     return uuid.uuid4().hex, request.scope.get(_REQUEST_ID_KEY, "")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, within ``limit`` bytes and ``timeout_s`` seconds: a client that sends its
+    body slowly, or stops, must not hold an admission slot (408, and the connection closes)."""
     declared = request.headers.get("content-length", "")
+    # Closing: the server would otherwise read (and drop) the rest of the body.
+    closing = {"connection": "close"}
     if declared.isdigit() and int(declared) > limit:
-        # Closing: the server would otherwise read (and drop) the whole declared body.
-        headers = {"connection": "close"}
-        raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large", headers=headers)
+        raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large", headers=closing)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        message = f"the request body was not whole within {timeout_s:g} s ({size} bytes came); send it faster"
+        raise ApiError(408, message, code="request_timeout", headers=closing) from None
     return b"".join(chunks)
 
 
@@ -261,6 +268,8 @@ class RouterServer:
         scaler: Callable[[dict[str, int], KeyRing, str], dict[str, int]] | None = None,
         planner: dict | None = None,
         pool_shards: dict[str, int] | None = None,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
         ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
@@ -300,6 +309,7 @@ class RouterServer:
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)
         self.tenant_gate = TenantGate()
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.num_in_flight = 0
         self.num_admitting = 0  # requests between the room check and their start (body, tokenizer)
         self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
@@ -329,6 +339,7 @@ class RouterServer:
             # Beyond our own admission (503 in OpenAI's format), a backstop of uvicorn's.
             max_connections=2 * max_concurrent_requests + 64,
             drain_timeout_s=request_timeout_s,
+            header_timeout_s=header_timeout_s,
         )
         self.listener.start()
 
@@ -435,7 +446,7 @@ class RouterServer:
         except Unauthorized as exc:
             return _error_response(_unauthorized(exc))
         try:
-            body = protocol.decode_body(await _read_body(request, 4096))
+            body = protocol.decode_body(await _read_body(request, 4096, self.body_timeout_s))
             if not isinstance(body, dict) or not body or not all(isinstance(k, str) for k in body):
                 raise InvalidRequestError('write the pools to resize as {"decode": 2, "prefill": 1}')
             replicas = await self._resize_pools(body)
@@ -481,7 +492,7 @@ class RouterServer:
             self.num_admitting += 1
             admitting = True
             admission = self.tenant_gate.admit(tenant) if tenant is not None else None
-            body = protocol.decode_body(await _read_body(request, self.max_body_bytes))
+            body = protocol.decode_body(await _read_body(request, self.max_body_bytes, self.body_timeout_s))
             parsed: ParsedRequest = parse(body, self.served_model)
             max_model_len = await self._max_model_len()
             _check_prompt_chars(parsed, max_model_len, self.max_token_chars)

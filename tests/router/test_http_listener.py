@@ -116,3 +116,40 @@ def test_the_server_failing_shows_in_failure():
         assert not listener.serving and listener.failure() is not None
 
     asyncio.run(main())
+
+
+def test_sockets_that_never_finish_their_headers_are_closed_and_leave_room_for_others():
+    """With room for 4 connections, 8 sockets that connect and trickle half a request line (or
+    send nothing) are closed within the header deadline; a normal request then gets its 200, and
+    a connection that finished its headers in time is not cut (its slow response completes)."""
+
+    async def main() -> None:
+        release = asyncio.Event()
+        listener = HttpListener(
+            _app("a", release), "127.0.0.1", 0, max_connections=4, header_timeout_s=0.5, drain_timeout_s=2.0
+        )
+        listener.start()
+        try:
+            slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            slow_writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+            await slow_writer.drain()
+            assert (await asyncio.wait_for(slow_reader.readuntil(b"first;"), 10)).endswith(b"first;")
+            idle = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(8)]
+            for i, (_, writer) in enumerate(idle):
+                if i % 2:
+                    writer.write(b"GET / HT")  # a header never finished
+                    await writer.drain()
+            # Closed by the server: each reads EOF (b"") well within 10 s, not a response.
+            ends = await asyncio.gather(*(asyncio.wait_for(reader.read(), 10) for reader, _ in idle))
+            assert all(b"HTTP/1.1" not in end for end in ends), ends
+            assert await _get(listener.port) == (200, b"a")
+            await asyncio.sleep(1.0)  # past the deadline: the slow response's connection stays
+            release.set()
+            assert (await asyncio.wait_for(slow_reader.read(), 10)).rstrip(b"\r\n0").endswith(b"a")
+            for _, writer in [*idle, (slow_reader, slow_writer)]:
+                writer.close()
+        finally:
+            release.set()
+            await listener.stop()
+
+    asyncio.run(main())

@@ -154,3 +154,31 @@ def test_a_request_cancelled_mid_tokenizing_keeps_its_place_until_the_tokenizer_
         assert server.num_admitting == 0
 
     serve(scenario)
+
+
+def test_a_body_that_stops_coming_gets_408_and_gives_its_admission_slot_back(serve):
+    """Admission holds one request; a client sends headers and half its body, then nothing. Within
+    the body deadline it is answered 408 (OpenAI's format) and the next request is admitted."""
+
+    async def scenario(server, request):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.listener.port)
+        body = b'{"model": "smol", "prompt": "Hello", "max_tokens": 2}'
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        )
+        writer.write(head.encode() + body[:10])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        assert server.num_admitting == 1
+        status, _, answer = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert status == 503  # the stalled body holds the only slot meanwhile
+        raw = await asyncio.wait_for(reader.read(), 10)
+        assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
+        assert b'"code":"request_timeout"' in raw.replace(b" ", b"")
+        assert server.num_admitting == 0
+        status, _, answer = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert status == 200, answer
+        writer.close()
+
+    serve(scenario, max_concurrent_requests=1, body_timeout_s=1.0)
