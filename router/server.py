@@ -159,7 +159,11 @@ def _check_prompt_chars(parsed: ParsedRequest, max_model_len: int, max_token_cha
     token were the vocabulary's longest is refused without spending the tokenizer's time on it."""
     if parsed.kind == "chat":
         assert parsed.messages is not None
-        chars = sum(len(message.get("content") or "") for message in parsed.messages)
+        if len(parsed.messages) >= max_model_len:  # the template gives each message a token at least
+            what = f"{len(parsed.messages)} messages: at least one token each"
+            raise _context_length_exceeded(max_model_len, what, "messages")
+        # Every string a message carries (content parts, names, tool calls) reaches the template.
+        chars = sum(_characters(message) for message in parsed.messages)
         where, param = "characters in its messages", "messages"
     elif isinstance(parsed.prompt, str):
         chars, where, param = len(parsed.prompt), "characters", "prompt"
@@ -168,6 +172,17 @@ def _check_prompt_chars(parsed: ParsedRequest, max_model_len: int, max_token_cha
     if chars > max_model_len * max_token_chars:
         what = f"{chars} {where}: more tokens than that, as no token is over {max_token_chars} characters"
         raise _context_length_exceeded(max_model_len, what, param)
+
+
+def _characters(value: Any) -> int:
+    """The characters of every string in a decoded JSON value (keys included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(key) + _characters(item) for key, item in value.items())
+    if isinstance(value, list):
+        return sum(_characters(item) for item in value)
+    return 0
 
 
 def _check_length(prompt_ids: list[int], max_model_len: int) -> None:
@@ -641,6 +656,8 @@ class RouterServer:
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
+            if job.cancel():  # the client left while its job waited for the tokenizer: it never runs
+                raise
             if not job.done():  # the client left mid-tokenizing: the work goes on, and keeps its place
                 self.num_admitting += 1
                 loop = asyncio.get_running_loop()

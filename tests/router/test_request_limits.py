@@ -182,3 +182,51 @@ def test_a_body_that_stops_coming_gets_408_and_gives_its_admission_slot_back(ser
         writer.close()
 
     serve(scenario, max_concurrent_requests=1, body_timeout_s=1.0)
+
+
+def test_a_chat_is_measured_by_every_string_and_message_it_carries_before_tokenizing(serve):
+    """Many empty messages (each renders to a token at least) and text inside content parts both
+    count; either refusal comes before the tokenizer is asked."""
+
+    async def scenario(server, request):
+        tokenized = []
+        tokenize = server._tokenize
+        server._tokenize = lambda parsed: tokenized.append(parsed) or tokenize(parsed)
+        empty = [{"role": "user", "content": ""}] * (CONTEXT + 1)
+        status, _, error = await request("/v1/chat/completions", {"model": "smol", "messages": empty})
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert f"{CONTEXT + 1} messages" in error["error"]["message"]
+        text = "x" * (CONTEXT * server.max_token_chars + 1)
+        parts = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+        status, _, error = await request("/v1/chat/completions", {"model": "smol", "messages": parts})
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert "characters in its messages" in error["error"]["message"]
+        assert tokenized == []
+
+    serve(scenario)
+
+
+def test_a_request_that_leaves_while_waiting_for_the_tokenizer_gives_its_place_back_at_once(serve):
+    async def scenario(server, request):
+        entered, release = threading.Event(), threading.Event()
+        tokenize = server._tokenize
+
+        def held_tokenize(parsed):
+            entered.set()
+            assert release.wait(30)
+            return tokenize(parsed)
+
+        server._tokenize = held_tokenize
+        parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
+        busy = asyncio.ensure_future(server._tokenize_off_loop(parsed))
+        assert await asyncio.to_thread(entered.wait, 30)
+        queued = asyncio.ensure_future(server._tokenize_off_loop(parsed))
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert server.num_admitting == 0  # its job never ran: nothing holds a place for it
+        release.set()
+        assert (await busy)[0]
+
+    serve(scenario)
