@@ -327,7 +327,9 @@ class RouterServer:
         self.body_timeout_s = body_timeout_s
         self.num_in_flight = 0
         self.num_admitting = 0  # requests between the room check and their start (body, tokenizer)
-        self.serving_replica: dict[str, str] = {}  # request id in flight -> the decode replica streaming it
+        # internal id in flight -> (the client's request id, the decode replica streaming it). Keyed by
+        # the router's own id: two requests sent with one X-Request-Id must not share an entry.
+        self.serving_replica: dict[str, tuple[str, str]] = {}
         self.max_model_len: int | None = None
         self._max_model_len_ask: asyncio.Future[tuple[int, bool]] | None = None
         self.scaler = scaler  # cluster.scaling.scale, for POST /pdserve/scale
@@ -441,7 +443,8 @@ class RouterServer:
             "router_pid": os.getpid(),  # for operators, as each replica report's pid
             "in_flight": self.num_in_flight,
             "requests": [
-                {"request_id": rid, "decode_replica": replica} for rid, replica in self.serving_replica.items()
+                {"id": internal_id, "request_id": request_id, "decode_replica": replica}
+                for internal_id, (request_id, replica) in self.serving_replica.items()
             ],
             "pools": pools,
             "metrics": self.metrics.snapshot(),
@@ -545,7 +548,7 @@ class RouterServer:
             attributes=_gen_ai_attributes(operation, self.served_model, parsed, request_id),
             arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
         )
-        deltas = self._tracked(run, started, request_id, len(prompt_ids), admission)
+        deltas = self._tracked(run, started, internal_id, request_id, len(prompt_ids), admission)
         try:
             first = await _unless_client_left(request, deltas.__anext__())  # refusals surface here
         except _ClientLeft:
@@ -583,6 +586,7 @@ class RouterServer:
         self,
         deltas: AsyncIterator[StreamDelta],
         started: float,
+        internal_id: str,
         request_id: str,
         num_prompt: int,
         admission: Admission | None = None,
@@ -599,7 +603,7 @@ class RouterServer:
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
-                    self.serving_replica[request_id] = delta.replica_id
+                    self.serving_replica[internal_id] = (request_id, delta.replica_id)
                     if delta.new_token_ids:
                         now = time.monotonic()
                         if first_token_time is None:
@@ -629,7 +633,7 @@ class RouterServer:
             self.num_in_flight -= 1
             if admission is not None:  # unused max_tokens come back; a refusal by a pool (outcome None) used none
                 self.tenant_gate.release(admission, num_prompt + num_tokens if outcome is not None else 0)
-            self.serving_replica.pop(request_id, None)
+            self.serving_replica.pop(internal_id, None)
             metrics.request_ended(outcome, started, first_token_time, num_tokens, num_prompt, finish_reason)
             logger.info("request %s ended: %s, %d tokens", request_id, outcome or "refused", num_tokens)
 

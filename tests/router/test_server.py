@@ -28,7 +28,7 @@ class BareServer(RouterServer):
         self.metrics = RouterMetrics("colocated", "smol")
         self.served_model = "smol"
         self.num_in_flight = 1  # _handle counts the request in before _tracked counts it out
-        self.serving_replica: dict[str, str] = {}
+        self.serving_replica: dict[str, tuple[str, str]] = {}
 
     def __del__(self) -> None:  # Serve's shutdown hook stops the HTTP server, which never started here
         pass
@@ -48,7 +48,7 @@ def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metr
     parsed = protocol.parse_completion_request({"model": "smol", "prompt": "hi", "max_tokens": 2}, "smol")
 
     async def respond():
-        tracked = server._tracked(deltas(), time.monotonic(), "r", len(PROMPT))
+        tracked = server._tracked(deltas(), time.monotonic(), "internal-r", "r", len(PROMPT))
         first = await tracked.__anext__()
         return await server._collect(parsed, "cmpl-r", PROMPT, "hi", first, tracked, {})
 
@@ -58,6 +58,26 @@ def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metr
     samples = scrape(server.metrics)
     assert samples[("pdserve:time_to_first_token_other_seconds_count", MODEL)] == 1
     assert samples[("pdserve:time_to_first_token_other_seconds_sum", MODEL)] == 0.004
+
+
+def test_two_requests_sent_with_one_request_id_are_tracked_apart():
+    """A client's X-Request-Id is its own: two requests carrying the same one each keep their
+    entry (status lists both, each leaves with its own end)."""
+    server = BareServer()
+    server.num_in_flight = 2
+
+    async def run() -> None:
+        first = server._tracked(deltas(), time.monotonic(), "internal-a", "same", len(PROMPT))
+        second = server._tracked(deltas(), time.monotonic(), "internal-b", "same", len(PROMPT))
+        await first.__anext__()
+        await second.__anext__()
+        assert server.serving_replica == {"internal-a": ("same", "d0"), "internal-b": ("same", "d0")}
+        assert [d async for d in first]
+        assert list(server.serving_replica) == ["internal-b"]
+        assert [d async for d in second]
+        assert server.serving_replica == {}
+
+    asyncio.run(run())
 
 
 def test_the_streamed_usage_chunk_carries_it_when_usage_is_asked_for():
