@@ -18,7 +18,7 @@ from common.kv_messages import ConnectorStep, PushReport, ReceiveReport, ShardRe
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from kv_transfer.ticket import KVTicket, TicketError
-from kv_transfer.transport import advertised, get_transport
+from kv_transfer.transport import WILDCARDS, advertised, get_transport
 
 
 class TransferConnector:
@@ -40,6 +40,8 @@ class TransferConnector:
         self.receiver: KVReceiver | None = None
         self.endpoint: str | None = None
         if receive:
+            if host in WILDCARDS and advertise_host is None:
+                raise ValueError(f"host={host!r} binds every interface, which no peer dials: give advertise_host")
             self.receiver = KVReceiver(kv_caches, layout, backend, require_integrity=integrity)
             # Bound on ``host``; named in tickets as ``advertise_host`` (default: ``host``).
             self.endpoint = advertised(self.transport.serve(self.receiver, host), advertise_host)

@@ -165,6 +165,7 @@ def get_transport(name: str, **options) -> KVTransport:
 
 
 _DIALED_BY_HOST = ("tcp", "grpc", "torch")  # the backends whose endpoints are host:port
+WILDCARDS = ("0.0.0.0", "::")  # bind every interface; an endpoint is then named by an advertised address
 
 
 def advertised(endpoint: str, host: str | None) -> str:

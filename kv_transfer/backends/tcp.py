@@ -191,8 +191,8 @@ class _Endpoint:
     """One served receiver: a listener on ``host``, an accept thread and a thread per connection."""
 
     def __init__(self, receiver: KVReceiver, host: str, config: TcpConfig) -> None:
-        if host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"serve on the address senders should use, not the wildcard {host!r}")
+        if not host:
+            raise ValueError("serve on an address: the empty host would bind every interface unasked")
         self.receiver = receiver
         self.config = config
         self.host = host
@@ -694,7 +694,9 @@ class TcpTransport(KVTransport):
         self._endpoints: list[_Endpoint] = []
 
     def serve(self, receiver: KVReceiver, host: str = "127.0.0.1") -> str:
-        """Binds ``host`` (loopback unless the caller asks otherwise) on a free port."""
+        """Binds ``host`` (loopback unless the caller asks otherwise) on a free port. A wildcard
+        (0.0.0.0, ::) binds every interface; no peer dials it, so the caller names the endpoint
+        by an address it is reachable at (``kv_transfer.transport.advertised``)."""
         endpoint = _Endpoint(receiver, host, self.config)
         self._endpoints.append(endpoint)
         address = f"[{host}]" if ":" in host else host

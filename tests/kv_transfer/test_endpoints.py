@@ -52,6 +52,24 @@ def test_a_receiver_bound_on_loopback_is_named_by_its_advertised_host_and_reacha
         connector.close()
 
 
+@pytest.mark.parametrize("backend", ["tcp", "grpc", "auto"])
+def test_a_receiver_on_every_interface_starts_and_is_named_by_its_advertised_host(backend):
+    """The multi-host set-up the README gives (kv_host 0.0.0.0 and an advertised address): each
+    backend dialed by host binds every interface, and the ticket's endpoint is the advertised one.
+    (tcp and auto refused the wildcard once, so every decode replica failed at start.)"""
+    side, _ = make_side(1, fill=False)
+    options = {"layout": side.layouts[0], "kv_caches": side.caches[0], "model_id": "m", "backend": backend}
+    connector = TransferConnector(**options, receive=True, host="0.0.0.0", advertise_host="127.0.0.1")
+    try:
+        endpoint = connector.endpoint
+        assert endpoint is not None and "0.0.0.0" not in endpoint and "://127.0.0.1:" in endpoint, endpoint
+        socket.create_connection(("127.0.0.1", int(endpoint.rpartition(":")[2])), timeout=5).close()
+    finally:
+        connector.close()
+    with pytest.raises(ValueError, match="advertise_host"):
+        TransferConnector(**options, receive=True, host="0.0.0.0")
+
+
 def test_an_shm_endpoint_of_another_host_is_refused_with_the_reason():
     transport = SharedMemoryTransport()
     side, _ = make_side(1, fill=False)
