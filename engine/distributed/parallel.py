@@ -9,12 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from common.nccl_env import group_construction
+
+
+@contextlib.contextmanager
+def gloo_on_loopback() -> Iterator[None]:
+    """Gloo groups made inside bind the loopback interface: a replica's shards always share a host
+    (one STRICT_PACK placement group, or the offline engine's own processes), and gloo otherwise
+    binds the address the host name resolves to, a listener reachable from the network. An
+    operator's own GLOO_SOCKET_IFNAME is kept."""
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is None or "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -62,12 +82,16 @@ class TensorParallel:
         timeout = datetime.timedelta(seconds=timeout_s)
         # NCCL reads its error handling from the environment as the group is made: made under the
         # lock the KV transport changes it under, so this group keeps torch's default.
-        with group_construction() if device.type == "cuda" else contextlib.nullcontext():
+        with group_construction() if device.type == "cuda" else gloo_on_loopback():
             dist.init_process_group(
                 backend=backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout
             )
         group = dist.group.WORLD
-        cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timeout)
+        if device.type == "cpu":
+            cpu_group = group
+        else:
+            with gloo_on_loopback():
+                cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         return cls(rank=rank, size=size, device=device, group=group, cpu_group=cpu_group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
