@@ -50,6 +50,21 @@ def serve(smol_dir):
     return run
 
 
+def hold_tokenizer(server: RouterServer) -> tuple[threading.Event, threading.Event]:
+    """The server's tokenizer, held inside its thread: ``entered`` is set once a job runs, and the
+    job ends when ``release`` is set."""
+    entered, release = threading.Event(), threading.Event()
+    tokenize = server._tokenize
+
+    def held_tokenize(parsed):
+        entered.set()
+        assert release.wait(30)
+        return tokenize(parsed)
+
+    server._tokenize = held_tokenize
+    return entered, release
+
+
 def test_a_prompt_too_long_by_its_characters_is_refused_without_tokenizing(serve):
     async def scenario(server, request):
         tokenized = []
@@ -130,15 +145,7 @@ def test_stop_lists_and_stop_strings_are_bounded(serve, field, value, message):
 
 def test_a_request_cancelled_mid_tokenizing_keeps_its_place_until_the_tokenizer_is_done(serve):
     async def scenario(server, request):
-        entered, release = threading.Event(), threading.Event()
-        tokenize = server._tokenize
-
-        def held_tokenize(parsed):
-            entered.set()
-            assert release.wait(30)
-            return tokenize(parsed)
-
-        server._tokenize = held_tokenize
+        entered, release = hold_tokenizer(server)
         parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
         task = asyncio.ensure_future(server._tokenize_off_loop(parsed))
         assert await asyncio.to_thread(entered.wait, 30)
@@ -208,15 +215,7 @@ def test_a_chat_is_measured_by_every_string_and_message_it_carries_before_tokeni
 
 def test_a_request_that_leaves_while_waiting_for_the_tokenizer_gives_its_place_back_at_once(serve):
     async def scenario(server, request):
-        entered, release = threading.Event(), threading.Event()
-        tokenize = server._tokenize
-
-        def held_tokenize(parsed):
-            entered.set()
-            assert release.wait(30)
-            return tokenize(parsed)
-
-        server._tokenize = held_tokenize
+        entered, release = hold_tokenizer(server)
         parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
         busy = asyncio.ensure_future(server._tokenize_off_loop(parsed))
         assert await asyncio.to_thread(entered.wait, 30)
