@@ -465,7 +465,11 @@ def build_app(
     }
     version = _version(RouterServer, (config.pools(), router_args, planner, config.router), router_options)
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
-    deadlines = {"header_timeout_s": config.router.header_timeout_s, "body_timeout_s": config.router.body_timeout_s}
+    deadlines = {
+        "header_timeout_s": config.router.header_timeout_s,
+        "body_timeout_s": config.router.body_timeout_s,
+        "inter_token_timeout_s": config.router.inter_token_timeout_s,
+    }
     return router.bind(decode, prefill, *router_args, scaler=scaler, **planner, **deadlines)
 
 

@@ -129,6 +129,10 @@ class RouterConfig:
     # A request body not whole this long after its headers is answered 408 and its admission slot
     # freed (32 MiB in 30 s: a client slower than ~1 MiB/s with the largest body is refused).
     body_timeout_s: float = 30.0
+    # A stream whose decode replica sends no token for this long after its first one resumes on
+    # another replica (as a killed replica's does): a hung replica (stopped, not dead) would hold
+    # its streams until Serve's health checks replace it. None: no watchdog.
+    inter_token_timeout_s: float | None = 30.0
     max_retries: int = 1  # prefill retries / decode resumes per request
     # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
     # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
@@ -144,6 +148,8 @@ class RouterConfig:
             raise ConfigError("placement_policy='' is empty; name a policy such as 'cache_aware'")
         if self.kv_lease_per_token_s < 0:
             raise ConfigError(f"kv_lease_per_token_s={self.kv_lease_per_token_s} must be >= 0")
+        if self.inter_token_timeout_s is not None and not self.inter_token_timeout_s > 0:
+            raise ConfigError(f"inter_token_timeout_s={self.inter_token_timeout_s} must be > 0 seconds or null")
         for key in ("request_timeout_s", "kv_lease_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be > 0 seconds")

@@ -115,6 +115,10 @@ class RouterMetrics:
         self._migrations = counter(
             "pdserve:request_migrations_total", "Streams resumed on another decode replica after theirs was lost."
         ).labels(model_name)
+        self._stalls = counter(
+            "pdserve:decode_stream_stalls_total",
+            "Streams whose decode replica sent no token for inter_token_timeout_s (each then resumes elsewhere).",
+        ).labels(model_name)
         prefill_site = counter(
             "pdserve:prefill_site_total",
             "Disaggregated attempts by where their prompt ran: the prefill pool (remote) or their decode replica "
@@ -178,6 +182,9 @@ class RouterMetrics:
 
     def migrated(self) -> None:
         self._migrations.inc()
+
+    def stalled(self) -> None:
+        self._stalls.inc()
 
     def prefill_site(self, local: bool) -> None:
         self._prefill_site["local" if local else "remote"].inc()

@@ -105,6 +105,8 @@ class AttemptObserver(Protocol):
 
     def migrated(self) -> None: ...
 
+    def stalled(self) -> None: ...
+
     def prefill_site(self, local: bool) -> None: ...
 
 
@@ -116,6 +118,9 @@ class _NoObserver:
         pass
 
     def migrated(self) -> None:
+        pass
+
+    def stalled(self) -> None:
         pass
 
     def prefill_site(self, local: bool) -> None:
@@ -134,6 +139,7 @@ class Orchestrator:
         remote_prefill: RemotePrefillEstimator | None = None,
         prefill_pool_down: Callable[[], bool] | None = None,
         decode_pool_down: Callable[[], bool] | None = None,
+        inter_token_timeout_s: float | None = None,
     ) -> None:
         self.decode = decode
         self.prefill = prefill  # None: colocated
@@ -142,6 +148,9 @@ class Orchestrator:
         self.remote_prefill = remote_prefill if prefill is not None else None
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
+        # Once a stream has sent a token, a longer silence means its decode replica hangs (stopped,
+        # not killed: Serve's health checks take ~100 s to see it): the stream resumes elsewhere.
+        self.inter_token_timeout_s = inter_token_timeout_s
         # True while the prefill pool has no replica that takes requests (all failed, or none left
         # while Serve replaces them): prompts then go straight to their decode replica.
         self.prefill_pool_down = prefill_pool_down or (lambda: False)
@@ -341,7 +350,8 @@ class Orchestrator:
                         _discard(next_item)
                         raise
                 else:  # the common case, once per token: nothing to race it against
-                    delta = await self._next(stream, deadline)
+                    stall = self.inter_token_timeout_s if num_yielded else None
+                    delta = await self._next(stream, deadline, stall)
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
                 if prefill_task is not None and num_yielded == 0 and delta.error is not None:
                     # Decode failed before any token: prefill's verdict says why, if it has one
@@ -400,12 +410,20 @@ class Orchestrator:
             logger.warning("prefill of %s raised", request.request_id, exc_info=exc)
             raise PrefillFailed(f"prefill of {request.request_id} failed: {type(exc).__name__}") from exc
 
-    async def _next(self, stream: Any, deadline: float) -> TicketIssued | StreamDelta:
+    async def _next(self, stream: Any, deadline: float, stall_s: float | None = None) -> TicketIssued | StreamDelta:
+        """The stream's next item by the request's deadline, or within ``stall_s`` if that is sooner
+        (a stalled replica: ReplicaLost, so the stream resumes on another)."""
+        left = max(deadline - time.monotonic(), 0.001)
+        stalled = stall_s is not None and stall_s < left
         try:
-            return await asyncio.wait_for(stream.__anext__(), max(deadline - time.monotonic(), 0.001))
+            return await asyncio.wait_for(stream.__anext__(), stall_s if stalled else left)
         except StopAsyncIteration:
             raise ReplicaLost("the decode stream ended without a final delta") from None
         except asyncio.TimeoutError:
+            if stalled:
+                self.observer.stalled()
+                silence = f"no token from the decode replica for {stall_s:g} s (inter_token_timeout_s)"
+                raise ReplicaLost(silence) from None
             raise AttemptFailed("the request timed out (request_timeout_s)") from None
         except Exception as exc:
             if _is_replica_loss(exc):

@@ -285,6 +285,7 @@ class RouterServer:
         pool_shards: dict[str, int] | None = None,
         header_timeout_s: float = 10.0,
         body_timeout_s: float = 30.0,
+        inter_token_timeout_s: float | None = 30.0,
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
         ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
@@ -319,6 +320,7 @@ class RouterServer:
             remote_prefill=remote_prefill,
             prefill_pool_down=lambda: takes_requests("prefill") is False,
             decode_pool_down=lambda: takes_requests("colocated" if prefill is None else "decode") is False,
+            inter_token_timeout_s=inter_token_timeout_s,
         )
         self.max_concurrent_requests = max_concurrent_requests
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)

@@ -621,3 +621,49 @@ def test_a_seeded_sample_cannot_resume_but_a_seeded_greedy_request_does():
     decode = FakeDecode([{"die_after": 3}, {}])
     deltas = run(Orchestrator(decode, FakePrefill([])), SamplingParams(temperature=0, seed=7, max_tokens=8))
     assert tokens(deltas) == TOKENS[:8] and len(decode.streams) == 2  # greedy ignores the seed: resumed
+
+
+def test_a_decode_replica_that_stalls_mid_stream_is_left_and_the_stream_resumes_elsewhere():
+    """The replica sends 3 tokens and then nothing (stopped, not killed): within the inter-token
+    timeout the stream resumes on another replica with prompt + sent tokens, nothing lost or
+    repeated, the stalled stream cancelled. Before the first token the watchdog does not apply."""
+
+    class StallsAfterThree(FakeDecode):
+        def remote(self, request):
+            stream = super().remote(request)
+            if len(self.streams) == 1:
+                real = stream._items
+
+                async def items():
+                    for _ in range(4):  # the ticket, then three tokens
+                        yield await real.__anext__()
+                    await asyncio.Event().wait()  # the replica hangs
+
+                stream._items = items()
+            return stream
+
+    decode = StallsAfterThree([{}, {}])
+    orchestrator = Orchestrator(decode, FakePrefill([]), inter_token_timeout_s=0.3)
+    started = time.monotonic()
+    deltas = run(orchestrator, GREEDY)
+    assert tokens(deltas) == TOKENS[:8] and deltas[-1].finish_reason == "length"
+    assert decode.streams[0].cancelled and orchestrator.num_resumes == 1
+    assert decode.streams[1].request.prompt_token_ids == [1, 2, 3, *TOKENS[:3]]
+    assert time.monotonic() - started < 5
+
+
+def test_the_watchdog_waits_no_longer_than_the_request_s_deadline():
+    class Silent(FakeDecode):
+        def remote(self, request):
+            stream = super().remote(request)
+
+            async def items():
+                await asyncio.Event().wait()
+                yield  # pragma: no cover
+
+            stream._items = items()
+            return stream
+
+    decode = Silent([{}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([]), request_timeout_s=0.3, inter_token_timeout_s=60), GREEDY)
+    assert deltas[-1].finish_reason == "error" and "timed out" in deltas[-1].error
