@@ -362,7 +362,12 @@ class Orchestrator:
                     if task.done():
                         _check_prefill(task, request.request_id, prefill_to_blame=False)
                     else:
+                        # No verdict: the prefill replica is silent past decode's wait for the KV
+                        # (a hung replica). Unless decode refused the request, the retry computes
+                        # the prompt on decode, never on that replica again.
                         _discard(task)
+                        raise_for_pool_error(delta.error)
+                        raise PrefillFailed(f"the prefill replica did not answer once decode failed: {delta.error}")
                 if num_yielded == 0:
                     span.add_event("first_token", {"decode_replica": delta.replica_id})
                     first_token_s = time.monotonic() - started

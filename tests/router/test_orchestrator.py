@@ -505,9 +505,12 @@ def test_once_decode_failed_a_prefill_that_never_answers_is_waited_for_a_moment_
     prefill = FakePrefill([])
     prefill.remote = lambda request: prefill.requests.append(request) or HeldResponse(None, never)
     started = time.monotonic()
-    deltas = run(Orchestrator(FirstTicketThenError("KV transfer failed"), prefill, request_timeout_s=60), GREEDY)
+    decode = FirstTicketThenError("KV transfer failed: lease expired")
+    deltas = run(Orchestrator(decode, prefill, request_timeout_s=60), GREEDY)
     assert tokens(deltas) == TOKENS[:8]  # retried on decode, not held until the request's 60 s deadline
     assert time.monotonic() - started < 5
+    # A prefill replica silent past decode's lease is not asked again: decode computes the prompt.
+    assert decode.streams[1].request.prefill_here and len(prefill.requests) == 1
 
 
 def test_a_decode_stream_that_never_answers_ends_at_the_request_s_deadline():
