@@ -140,6 +140,9 @@ class ReplicaReport:
     num_prefill_tokens_queued: int = 0  # prompt tokens of waiting and prefilling requests not computed yet
     prefill_tokens_per_s: float = 0.0  # how fast it computes prompt tokens (measured; 0: not yet)
     report_time: float = 0.0  # time.time() when the replica took the report
+    # Counts the reports the replica answered: one that stops changing is a replica that stopped
+    # answering (hung, not dead), seen on the router's own clock (router.report_ages).
+    report_seq: int = 0
     prefix_cache_hit_rate: float = 0.0
     cpu_cores: list[int] = field(default_factory=list)  # CPU: the cores the replica runs on
     cpu_cores_shared: list[int] = field(default_factory=list)  # of those, shared (oversubscribed)

@@ -62,11 +62,13 @@ class EngineReplica:
         self._packed: bytes | None = b""
         self._kv_events_lost_seen = 0
         self._cache_lock = asyncio.Lock()  # one replay at a time: a resync awaits the engine
+        self._report_seq = 0
 
     async def report(self, include_cache: bool = False) -> dict:
         """The replica's ReplicaReport as a dict; ``include_cache``: with every cached block's short
         hash (what Serve's routing stats carry to the router's cache-aware placement)."""
         fields = self.engine.snapshot  # published after every step (with its time): no wait behind a long prefill
+        self._report_seq += 1  # a live process answers while its engine computes; a hung one does not
         packed = b""
         if include_cache and self.engine.is_healthy:  # a stopped engine answers no question; its error must go out
             async with self._cache_lock:
@@ -80,6 +82,7 @@ class EngineReplica:
             cached_blocks=packed,
             cpu_cores=list(self.core_claim.cores) if self.core_claim else [],
             cpu_cores_shared=list(self.core_claim.borrowed) if self.core_claim else [],
+            report_seq=self._report_seq,
             **fields,
         ).to_dict()
 

@@ -19,6 +19,7 @@ from common.serving import ReplicaReport, ServeRequest
 from router import routing_state
 from router.placement import NoReplicaAvailable
 from router.pool_placement import PoolPlacement
+from router.report_ages import ReportAges
 
 logger = logging.getLogger("pdserve.router")
 _REPORT_FIELDS = {f.name for f in fields(ReplicaReport)}
@@ -31,6 +32,7 @@ class PolicyRequestRouter(RequestRouter):
         self.placement = PoolPlacement(policy, role, block_size)
         self.role = role
         routing_state.register_placement(role, self.placement)
+        self.report_ages = ReportAges()
         self.last_reason = ""
 
     def _report(self, replica: RunningReplica) -> ReplicaReport:
@@ -41,7 +43,7 @@ class PolicyRequestRouter(RequestRouter):
         return ReplicaReport.from_dict(stats)
 
     def _observe(self, replicas: list[RunningReplica], every_replica: bool = False) -> list[ReplicaReport]:
-        reports = [self._report(r) for r in replicas]
+        reports = self.report_ages.mark_silent([self._report(r) for r in replicas], every_replica)
         routing_state.record(self.role, {r.replica_id: r.to_dict() for r in reports})
         self.placement.observe(reports, every_replica)
         return reports
