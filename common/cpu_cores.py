@@ -53,7 +53,7 @@ def claim_cores(count: int, lock_dir: Path, candidates: list[int] | None = None)
     if count < 1:
         raise ValueError(f"count={count} must be >= 1")
     candidates = sorted(candidates if candidates is not None else host_cores())
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    _make_shared_dir(lock_dir)
     claim = CoreClaim(cores=[])
     try:
         _lock_free_cores(claim, count, lock_dir, candidates)
@@ -79,11 +79,41 @@ def claim_cores(count: int, lock_dir: Path, candidates: list[int] | None = None)
     return claim
 
 
+def _make_shared_dir(lock_dir: Path) -> None:
+    """The host's lock directory, shared by every user's replicas (cores are the host's): made
+    world-writable and sticky, as /tmp is, so a second user can add its locks and remove no one's."""
+    if not lock_dir.is_dir():
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # made by another user meanwhile: theirs to set
+            os.chmod(lock_dir, 0o1777)
+
+
+def _open_lock(path: Path) -> int | None:
+    """A descriptor to flock ``path`` with; never through a symbolic link (one planted there would
+    have this process truncate its target). Another user's lock file opens read-only: flock needs
+    no write access, only the holder's pid is not written. None: the file cannot be used."""
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, os.O_RDWR | flags, 0o644)
+    except PermissionError:
+        pass
+    except OSError as exc:  # ELOOP: a link in the lock's place
+        logger.warning("not using core lock %s: %s", path, exc)
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        logger.warning("not using core lock %s: %s", path, exc)
+        return None
+
+
 def _lock_free_cores(claim: CoreClaim, count: int, lock_dir: Path, candidates: list[int]) -> None:
     for core in candidates:
         if len(claim.cores) == count:
             return
-        fd = os.open(lock_dir / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(lock_dir / f"core-{core}.lock")
+        if fd is None:
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -91,8 +121,9 @@ def _lock_free_cores(claim: CoreClaim, count: int, lock_dir: Path, candidates: l
             continue
         claim._files.append(fd)
         claim.cores.append(core)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())  # for an operator asking who holds the core
+        with contextlib.suppress(OSError):  # read-only (another user's file): no pid written
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())  # for an operator asking who holds the core
 
 
 def pin_process(cores: list[int]) -> None:

@@ -79,3 +79,23 @@ def test_split_and_format():
     assert [split_cores(r, 2, [4, 5, 6, 7]) for r in range(2)] == [[4, 5], [6, 7]]
     assert [split_cores(r, 3, [0, 1]) for r in range(3)] == [[0], [1], [0]]  # fewer cores than shards
     assert format_core_list([0, 1, 2, 3, 8]) == "0-3,8" and format_core_list([5]) == "5"
+
+
+def test_a_link_planted_in_a_lock_s_place_is_not_followed_and_its_target_is_untouched(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("do not truncate me\n")
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    (locks / "core-0.lock").symlink_to(target)
+    claim = claim_cores(1, locks, candidates=[0, 1])
+    try:
+        assert claim.cores == [1] and claim.borrowed == []  # core 0's lock is a link: passed over
+        assert target.read_text() == "do not truncate me\n"
+    finally:
+        claim.release()
+
+
+def test_the_lock_directory_is_made_for_every_user_of_the_host(tmp_path):
+    locks = tmp_path / "shared" / "locks"
+    claim_cores(1, locks, candidates=[0]).release()
+    assert locks.stat().st_mode & 0o7777 == 0o1777  # world-writable and sticky, as /tmp
