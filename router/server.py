@@ -15,6 +15,7 @@ disconnects mid-stream cancels the request on both pools.
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -47,6 +48,10 @@ _POOL_CALL_TIMEOUT_S = 10.0
 _REQUEST_ID_KEY = "pdserve.request_id"
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+# A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
+# 30 MiB list of ids held every stream for seconds when it was checked on the event loop.
+PARSE_ON_LOOP_MAX_BYTES = 256 * 2**10
+CHECK_IDS_ON_LOOP_MAX = 4096
 
 
 class _RequestIds:
@@ -185,6 +190,10 @@ def _characters(value: Any) -> int:
     return 0
 
 
+def _decode_and_parse(raw: bytes, parse: Callable[[object, str], ParsedRequest], served_model: str) -> ParsedRequest:
+    return parse(protocol.decode_body(raw), served_model)
+
+
 def _check_length(prompt_ids: list[int], max_model_len: int) -> None:
     if len(prompt_ids) >= max_model_len:
         raise _context_length_exceeded(max_model_len, f"{len(prompt_ids)} tokens")
@@ -306,6 +315,8 @@ class RouterServer:
         # One thread: tokenizing (long for a long prompt) stays off the event loop, and no two
         # encodes run at once in one fast tokenizer (each borrows its Rust state mutably).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
+        # Large bodies' JSON and long token-id lists: off the loop, and not queued behind prompts.
+        self._parse_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse")
         from router.routing_state import latest_reports, placement, takes_requests
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
@@ -389,9 +400,10 @@ class RouterServer:
         listener = getattr(self, "listener", None)  # None: the constructor failed before it
         if listener is not None:
             await listener.stop()
-        tokenizer_thread = getattr(self, "_tokenizer_thread", None)
-        if tokenizer_thread is not None:
-            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        for name in ("_tokenizer_thread", "_parse_thread"):
+            thread = getattr(self, name, None)
+            if thread is not None:
+                thread.shutdown(wait=False, cancel_futures=True)
 
     # --- plain endpoints -------------------------------------------------------------------
     async def models(self, request: Request) -> Any:
@@ -512,8 +524,13 @@ class RouterServer:
             self.num_admitting += 1
             admitting = True
             admission = self.tenant_gate.admit(tenant) if tenant is not None else None
-            body = protocol.decode_body(await _read_body(request, self.max_body_bytes, self.body_timeout_s))
-            parsed: ParsedRequest = parse(body, self.served_model)
+            raw = await _read_body(request, self.max_body_bytes, self.body_timeout_s)
+            parsed: ParsedRequest
+            if len(raw) > PARSE_ON_LOOP_MAX_BYTES:
+                work = functools.partial(_decode_and_parse, raw, parse, self.served_model)
+                parsed = await asyncio.get_running_loop().run_in_executor(self._parse_thread, work)
+            else:
+                parsed = _decode_and_parse(raw, parse, self.served_model)
             max_model_len = await self._max_model_len()
             _check_prompt_chars(parsed, max_model_len, self.max_token_chars)
             prompt_ids, prompt_text = await self._tokenize_off_loop(parsed)
@@ -657,7 +674,9 @@ class RouterServer:
 
     async def _tokenize_off_loop(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
         if parsed.kind == "completion" and not isinstance(parsed.prompt, str):
-            return self._tokenize(parsed)  # token ids: only their range is checked
+            if len(parsed.prompt or []) <= CHECK_IDS_ON_LOOP_MAX:
+                return self._tokenize(parsed)  # token ids: only their range is checked
+            return await asyncio.get_running_loop().run_in_executor(self._parse_thread, self._tokenize, parsed)
         job = self._tokenizer_thread.submit(self._tokenize, parsed)
         try:
             return await asyncio.wrap_future(job)

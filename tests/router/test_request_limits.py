@@ -229,3 +229,35 @@ def test_a_request_that_leaves_while_waiting_for_the_tokenizer_gives_its_place_b
         assert (await busy)[0]
 
     serve(scenario)
+
+
+def test_a_large_body_and_a_long_list_of_token_ids_are_checked_off_the_event_loop(serve, monkeypatch):
+    """A body past PARSE_ON_LOOP_MAX_BYTES is decoded and parsed on the parse thread, a list of ids
+    past CHECK_IDS_ON_LOOP_MAX range-checked there (one of 30 MiB held every stream for seconds on
+    the loop); small ones stay on the loop (no hop for them). Either way the answer is the same."""
+    from router import server as server_module
+
+    threads: list[str] = []
+    real = server_module.protocol.decode_body
+    monkeypatch.setattr(
+        server_module.protocol, "decode_body", lambda raw: threads.append(threading.current_thread().name) or real(raw)
+    )
+
+    checked: list[str] = []
+
+    async def scenario(server, request):
+        server.max_token_chars = 10**6  # the long prompt below is refused by its length, after the checks
+        tokenize = server._tokenize
+        server._tokenize = lambda parsed: checked.append(threading.current_thread().name) or tokenize(parsed)
+        ids = [5] * 120_000  # ~360 KiB of JSON
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": ids})
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        bad = [5] * 5000 + [10**9]
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": bad})
+        assert status == 400 and "prompt token ids must be" in error["error"]["message"], error
+        status, _, _ = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert status == 200
+
+    serve(scenario)
+    assert threads[0].startswith("pdserve-parse") and all(t == "MainThread" for t in threads[1:]), threads
+    assert [t.split("_")[0] for t in checked] == ["pdserve-parse", "pdserve-parse", "MainThread"], checked
