@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.tokenizer_files import generic_fast_tokenizer
+
 
 def load_tokenizer(model_dir: Path):
+    if generic_fast_tokenizer(model_dir):  # the same tokenizer, without AutoTokenizer's imports
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from common.block_hash import SHORT_HASH_BYTES
 from common.errors import ConfigError, InvalidRequestError, OverloadedError
 from common.serving import StreamDelta
+from common.tokenizer_files import generic_fast_tokenizer
 from common.tracing import extract, setup_tracing
 from router import protocol
 from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorized, retry_after_header, tenant_salt
@@ -190,6 +191,18 @@ def _characters(value: Any) -> int:
     return 0
 
 
+def _load_tokenizer(model_dir: str) -> Any:
+    """The generic fast class where it loads the same tokenizer (common.tokenizer_files): ~1.8 s
+    less at start than AutoTokenizer, which imports transformers' model configurations."""
+    if generic_fast_tokenizer(model_dir):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def _decode_and_parse(raw: bytes, parse: Callable[[object, str], ParsedRequest], served_model: str) -> ParsedRequest:
     return parse(protocol.decode_body(raw), served_model)
 
@@ -298,8 +311,6 @@ class RouterServer:
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
         ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
-        from transformers import AutoTokenizer
-
         setup_tracing(tracing[0], "pdserve-router", tracing[1])
 
         decode, prefill = _over_grpc(decode), _over_grpc(prefill)
@@ -307,7 +318,7 @@ class RouterServer:
         self.prefill = prefill
         self.mode = mode
         self.served_model = served_model
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = _load_tokenizer(model_dir)
         self.vocab_size = len(self.tokenizer)
         # No token is longer than this many characters (a vocabulary entry's raw form is at least as
         # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.

@@ -386,7 +386,7 @@ def test_errors_come_back_in_openai_format_and_leak_nothing(cluster):
     assert client(cluster).completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(request=requests(MODEL))
 def test_fuzzed_requests_get_no_5xx_on_a_real_cluster(cluster, request):
     cluster.ensure(**DISAGG, transport="shm")  # the deployment of the test above: no redeploy
