@@ -99,6 +99,7 @@ def check_oracle(
             max_num_batched_tokens=256,
             **options,
         ) as llm:
+            runner = llm.engine.executor.driver
             for attempt in ("cold", "prefix cache"):
                 got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 for i, (ids, want, have) in enumerate(zip(prompts, expected, got, strict=True)):
@@ -107,6 +108,13 @@ def check_oracle(
                     rows.append(
                         {"model": name, "path": path, "pass": attempt, "prompt": i, "tokens": len(ids), "equal": same}
                     )
+            # What the path really ran (a fallback would otherwise pass as the path it replaced).
+            ran_as = {
+                "backend": runner.attention_backend,
+                "graph replays": runner.num_graph_replays,
+                "overlap outputs": llm.engine.overlap_outputs,
+            }
+            rows = [{**r, **ran_as} if r["path"] == path else r for r in rows]
     return rows
 
 

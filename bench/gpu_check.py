@@ -12,7 +12,9 @@ own packages are missing (grpc without grpcio) are reported skipped, not failed.
 Hard checks:
 - oracle: float32 greedy output equal to transformers' on the GPU, token for token (a tiny model
   with 4 query / 2 KV heads and the SmolLM2-shaped one; short prompts, a long one in chunks, the
-  same again through the prefix cache);
+  same again through the prefix cache), on each engine path (torch eager, Triton eager, Triton
+  with decode steps replayed as CUDA graphs), each row also failing if the engine fell back from
+  the path it names;
 - bf16: teacher-forced argmax agreement with transformers' bfloat16 >= 0.95, SmolLM2-shaped;
 - sampler: every branch (greedy, temperature, top-k, top-p, min-p, penalties, logprobs, seeded)
   runs on the GPU; a seeded request gives the same tokens alone and in a batch;
@@ -82,7 +84,15 @@ def _sync() -> None:
 def oracle(tiny: Path, smol: Path, device: torch.device, long_tokens: int) -> list[dict]:
     rows = cuda_check.check_oracle("tiny", tiny, device, long_tokens, 24, PATHS)
     rows += cuda_check.check_oracle("smol-shaped", smol, device, long_tokens, 24, PATHS)
-    return [{**r, "ok": r["equal"]} for r in rows]
+    return [{**r, "ok": r["equal"] and ran_as_named(r)} for r in rows]
+
+
+def ran_as_named(row: dict) -> bool:
+    """The engine ran the path the row names: its attention backend, and decode steps replayed as
+    graphs on the graphs path only (a failed Triton self-check or capture falls back quietly)."""
+    backend = "torch" if row["path"].startswith("torch") else "triton"
+    graphs = row["path"].endswith("graphs")
+    return row.get("backend") == backend and (row.get("graph replays", 0) > 0) == graphs
 
 
 def bf16_agreement(smol: Path, device: torch.device) -> list[dict]:

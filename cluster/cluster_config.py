@@ -66,6 +66,9 @@ class PoolConfig:
     # Colocated and decode pools; None: a colocated step takes up to max_num_batched_tokens of
     # prompts, a decode pool takes router.local_prefill_max_stall_s.
     max_decode_stall_s: float | None = None
+    # Make a step's outputs while the device runs the next step (SchedulerConfig.overlap_outputs).
+    # None: on CUDA, off on CPU.
+    overlap_outputs: bool | None = None
     # Ray custom resources each shard's placement-group bundle asks for besides its CPUs, e.g.
     # {"prefill_node": 1} to keep the pool on the nodes started with that resource (`ray start
     # --resources`): how pools are spread over the nodes of a multi-node cluster.
@@ -109,6 +112,7 @@ class PoolConfig:
             max_prefill_chunk=self.max_prefill_chunk,
             max_num_waiting=self.max_num_waiting,
             max_decode_stall_s=self.max_decode_stall_s,
+            overlap_outputs=self.overlap_outputs,
         )
 
 

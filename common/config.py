@@ -98,6 +98,11 @@ class SchedulerConfig:
     # beside a decode batch holds up its tokens a little each step, not all at once. None: only
     # max_num_batched_tokens bounds them.
     max_decode_stall_s: float | None = None
+    # Detokenize and emit a step's tokens while the device runs the next step (the host would
+    # otherwise leave the GPU idle for that long each step). A request whose stop string shows up
+    # then has one more token computed and dropped. None: on where the device runs asynchronously
+    # (CUDA), off on CPU (its kernels return when done: nothing to overlap).
+    overlap_outputs: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", EngineRole(self.role))

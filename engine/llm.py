@@ -33,6 +33,7 @@ class LLM:
         max_prefill_chunk: int | None = None,
         max_num_waiting: int = 4096,
         max_decode_stall_s: float | None = None,
+        overlap_outputs: bool | None = None,
         cache_dir: str | None = None,
         compile: bool = True,
         enforce_eager: bool = False,
@@ -58,6 +59,7 @@ class LLM:
                 max_prefill_chunk=max_prefill_chunk,
                 max_num_waiting=max_num_waiting,
                 max_decode_stall_s=max_decode_stall_s,
+                overlap_outputs=overlap_outputs,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )

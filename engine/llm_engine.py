@@ -85,6 +85,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_preemptions = 0
         self._outputs_outside_step: list[RequestOutput] = []
+        overlap = config.scheduler.overlap_outputs
+        self.overlap_outputs = self._device.type == "cuda" if overlap is None else overlap
+        # Requests that got a token last step, their outputs not yet made (overlap_outputs).
+        self._deferred: list[Request] = []
         every_chunk = config.kv_connector.push_every_chunk
         if every_chunk is None:
             every_chunk = pick_device(config.model.device).type == "cuda"
@@ -223,6 +227,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        if any(r.request_id == request_id for r in self._deferred):
+            # Its last token's output goes out before the ending one (overlap_outputs).
+            request = next(r for r in self._deferred if r.request_id == request_id)
+            self._deferred.remove(request)
+            if request_id in self.outputs.states and not request.is_finished:
+                self._outputs_outside_step.append(self._emit_new_tokens(request))
         if self.handoff is not None and request_id in self.handoff.tickets:
             self.handoff.drop(request_id)  # aborted before its prompt was done: nothing was sent
         if self.handoff is not None and request_id in self.handoff.pushing:
@@ -276,6 +286,7 @@ class LLMEngine:
             self._end_preempted_pushes(scheduled.preempted_request_ids)
         plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
         if scheduled.is_empty:
+            self._emit_deferred()
             if self.handoff is not None and plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
                 self.executor.connector_step(plan)
                 self._apply_handoff(self.executor.finish_step(None))
@@ -285,10 +296,15 @@ class LLMEngine:
         step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
         try:
             logits = self.executor.execute(step_input, plan)
-            result = None
+            pending = None
             if sampled_ids:
                 assert logits is not None
-                result = self.sampler(logits, self._sampling_rows(sampled_ids))
+                pending = self.sampler.launch(logits, self._sampling_rows(sampled_ids))
+            # The device runs this step's kernels (queued, not yet read): the host makes the last
+            # step's outputs meanwhile. A stop string found there ends its request now; the token
+            # this step computes for it is dropped (update_from_output skips ended requests).
+            self._emit_deferred()
+            result = pending.read() if pending is not None else None
         except torch.OutOfMemoryError as exc:
             if self.executor.world_size > 1:
                 # The other shards may be inside this step's collectives, or waiting for its end
@@ -305,6 +321,9 @@ class LLMEngine:
         self._record_prefill_steps(scheduled, started, self._step_ended(bool(sampled_ids)))
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
         for request in self.scheduler.update_from_output(scheduled, sampled):
+            if self.overlap_outputs and request.status is RequestStatus.RUNNING:
+                self._deferred.append(request)  # made while the next step runs
+                continue
             output = self._emit_new_tokens(request)
             if request.status is RequestStatus.FINISHED_PREFILLED:
                 output.kv_block_ids = self.kv.block_ids(request.request_id)
@@ -313,6 +332,14 @@ class LLMEngine:
             self._apply_handoff(reports)
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         return self._take_outputs_outside_step() + results
+
+    def _emit_deferred(self) -> None:
+        """The outputs of the requests whose tokens the last step left unmade (overlap_outputs), in
+        the order of outputs made outside a step: ahead of anything else the next step returns."""
+        deferred, self._deferred = self._deferred, []
+        for request in deferred:
+            if request.request_id in self.outputs.states and not request.is_finished:
+                self._outputs_outside_step.append(self._emit_new_tokens(request))
 
     def _sampling_rows(self, sampled_ids: list[str]) -> list[SamplingRequestState]:
         rows = []
@@ -494,6 +521,7 @@ class LLMEngine:
         return (
             self.scheduler.has_unfinished_requests()
             or bool(self._outputs_outside_step)
+            or bool(self._deferred)
             or (self.handoff is not None and self.handoff.busy)
         )
 

@@ -168,9 +168,15 @@ class ModelRunner:
         self._upload = PinnedUpload(self.device, torch.long)
         self.graphs: DecodeGraphs | None = None
         self.graph_capture: CaptureReport | None = None
+        self.num_graph_replays = 0  # decode steps replayed (the GPU check asserts the graphs ran)
         if self.uses_graphs:
             self.graphs = self.decode_graphs()
-            self.graph_capture = self.graphs.capture()
+            try:
+                self.graph_capture = self.graphs.capture()
+            except RuntimeError as exc:  # e.g. a TP all-reduce this NCCL cannot capture
+                logger.warning("CUDA graph capture failed (%s): decode steps run eagerly", exc)
+                torch.cuda.synchronize(self.device)
+                self.graphs = None
         if self.device.type == "cpu":
             keep_freed_memory()  # after start-up's one-off allocations: only the steps' reuse matters
 
@@ -288,6 +294,7 @@ class ModelRunner:
         if self._replays(step, connector_step):
             assert self.graphs is not None
             hidden = self.graphs.run(_decode_batch(step))
+            self.num_graph_replays += 1
             indices = step.logits_indices
             if not indices:
                 return None

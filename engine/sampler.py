@@ -157,20 +157,23 @@ class Sampler:
         return upload(host)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> SamplerOutput:
+        return self.launch(logits, rows).read()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> PendingSample:
+        """Queue the sampling of ``logits`` without reading anything back: on CUDA the host is free
+        until ``read()`` (the engine detokenizes the previous step's tokens meanwhile)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
         if not rows:
-            return SamplerOutput(sampled_token_ids=[], logprobs=[])
+            return PendingSample(None, logits, rows)
         # .float() aliases float32 input; every stage below is out-of-place so the caller's tensor survives.
         raw_logits = logits.float()
         logits = self._penalize(raw_logits, rows)
 
         greedy = [row.params.is_greedy for row in rows]
         sampled = greedy_pick(logits) if all(greedy) else self._sample(logits, rows, greedy, self._upload)
-
-        sampled_ids: list[int] = sampled.tolist()
-        return SamplerOutput(sampled_token_ids=sampled_ids, logprobs=self._logprobs(raw_logits, sampled, rows))
+        return PendingSample(sampled, raw_logits, rows)
 
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> torch.Tensor:
@@ -240,26 +243,41 @@ class Sampler:
             sampled = torch.where(settings[4] > 0.5, greedy_ids, sampled)
         return sampled
 
-    @staticmethod
-    def _logprobs(
-        raw_logits: torch.Tensor, sampled: torch.Tensor, rows: Sequence[SamplingRequestState]
-    ) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * len(rows)
-        idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        if not idx:
-            return out
-        index = torch.tensor(idx, dtype=torch.long, device=raw_logits.device)
-        logprobs = raw_logits.index_select(0, index).log_softmax(dim=-1)
-        chosen_ids = sampled.index_select(0, index)
-        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
 
-        num_top = min(max(rows[i].params.logprobs or 0 for i in idx), logprobs.shape[1])
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
-        # One device->host copy per tensor, then plain Python.
-        chosen_list, chosen_id_list = chosen.tolist(), chosen_ids.tolist()
-        top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
-        for j, i in enumerate(idx):
-            n = rows[i].params.logprobs or 0
-            top = tuple(zip(top_id_list[j][:n], top_value_list[j][:n], strict=True))
-            out[i] = TokenLogprob(chosen_id_list[j], chosen_list[j], top)
+@dataclass(slots=True)
+class PendingSample:
+    """A step's sampling, queued on the device; ``read`` waits for it."""
+
+    sampled: torch.Tensor | None  # [rows] token ids on the logits' device (None: no rows)
+    raw_logits: torch.Tensor
+    rows: Sequence[SamplingRequestState]
+
+    def read(self) -> SamplerOutput:
+        if self.sampled is None:
+            return SamplerOutput(sampled_token_ids=[], logprobs=[])
+        sampled_ids: list[int] = self.sampled.tolist()
+        return SamplerOutput(sampled_ids, _logprobs(self.raw_logits, self.sampled, self.rows))
+
+
+def _logprobs(
+    raw_logits: torch.Tensor, sampled: torch.Tensor, rows: Sequence[SamplingRequestState]
+) -> list[TokenLogprob | None]:
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not idx:
         return out
+    index = torch.tensor(idx, dtype=torch.long, device=raw_logits.device)
+    logprobs = raw_logits.index_select(0, index).log_softmax(dim=-1)
+    chosen_ids = sampled.index_select(0, index)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+
+    num_top = min(max(rows[i].params.logprobs or 0 for i in idx), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    # One device->host copy per tensor, then plain Python.
+    chosen_list, chosen_id_list = chosen.tolist(), chosen_ids.tolist()
+    top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(idx):
+        n = rows[i].params.logprobs or 0
+        top = tuple(zip(top_id_list[j][:n], top_value_list[j][:n], strict=True))
+        out[i] = TokenLogprob(chosen_id_list[j], chosen_list[j], top)
+    return out

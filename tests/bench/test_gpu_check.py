@@ -53,3 +53,13 @@ def test_the_disagg_check_passes_on_cpu_over_the_transports_and_runs_without_ray
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "EXTRA []" in result.stdout, result.stdout[-500:]
+
+
+def test_an_oracle_row_fails_when_the_engine_fell_back_from_the_path_it_names():
+    row = {"equal": True, "backend": "triton", "graph replays": 40}
+    assert gpu_check.ran_as_named({**row, "path": "triton graphs"})
+    assert not gpu_check.ran_as_named({**row, "path": "triton graphs", "graph replays": 0})  # capture failed
+    assert not gpu_check.ran_as_named({**row, "path": "triton graphs", "backend": "torch"})  # self-check failed
+    assert not gpu_check.ran_as_named({**row, "path": "triton eager"})  # enforce_eager ignored
+    assert gpu_check.ran_as_named({**row, "path": "torch eager", "backend": "torch", "graph replays": 0})
+    assert set(gpu_check.PATHS) == {"torch eager", "triton eager", "triton graphs"}

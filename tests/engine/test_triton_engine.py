@@ -65,9 +65,10 @@ def test_triton_backend_and_fused_layers_give_transformers_tokens(tiny_dir, hf_t
 
 def test_padded_graph_buckets_give_the_tokens_of_unpadded_batches(tiny_dir, hf_tiny, hf_reference):
     """Every decode step goes through the graph runner's static buffers, replayed eagerly: batches
-    of 3, 5 and 6 decodes pad to buckets of 4 and 8 (rows of slot -1, context 0)."""
+    of 3, 5 and 6 decodes pad to buckets of 4 and 8 (rows of slot -1, context 0). Outputs are made
+    while the next step runs, as on CUDA by default."""
     batch = prompts((3, 9, 17, 20, 33, 2), offset=5)
-    with triton_llm(tiny_dir) as llm:
+    with triton_llm(tiny_dir, overlap_outputs=True) as llm:
         runner = llm.engine.executor.driver
         runner.graphs = runner.decode_graphs()
         assert runner.graphs.sizes == [1, 2, 4, 8]
@@ -83,6 +84,7 @@ def test_padded_graph_buckets_give_the_tokens_of_unpadded_batches(tiny_dir, hf_t
         runner.graphs.run = counted
         outputs = llm.generate(batch[:3], GREEDY) + llm.generate(batch[3:], GREEDY) + llm.generate(batch, GREEDY)
         assert llm.engine.num_blocks_held() == 0
+        assert runner.num_graph_replays == len(runs)
     assert [o.outputs[0].token_ids for o in outputs] == expected(hf_tiny, hf_reference, batch + batch)
     assert any(n < size for n, size in runs), f"no step was padded: {runs}"
     assert {size for _, size in runs} >= {4, 8}, runs
