@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import fcntl
 import hashlib
-import ipaddress
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from engine.dtype_probe import resolve_auto_dtype
 from engine.model_loader import resolve_model_dir
 from prefill_pool.server import PrefillServer
 from router.auth import ADMIN_KEY_ENV, API_KEYS_ENV, KeyRing
+from router.edge_guard import is_loopback
 from router.server import RouterServer
 
 logger = logging.getLogger(__name__)
@@ -393,21 +393,12 @@ def load_keyring(config: ClusterConfig) -> KeyRing:
     """The API keys of ``api_keys_file`` and the environment. No key on a host other than loopback
     is refused: anyone who reaches the port would use the cluster (and see its status)."""
     keyring = KeyRing.load(config.api_keys_file)
-    if not keyring.enabled and not _is_loopback(config.host):
+    if not keyring.enabled and not is_loopback(config.host):
         raise ConfigError(
             f"host={config.host!r} is not a loopback address and no API key is configured: set api_keys_file "
             f"or {API_KEYS_ENV} (and {ADMIN_KEY_ENV} for /pdserve/status), or serve on 127.0.0.1"
         )
     return keyring
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_app(
@@ -469,6 +460,9 @@ def build_app(
         "header_timeout_s": config.router.header_timeout_s,
         "body_timeout_s": config.router.body_timeout_s,
         "inter_token_timeout_s": config.router.inter_token_timeout_s,
+        "allowed_hosts": config.router.allowed_hosts,
+        "allowed_origins": config.router.allowed_origins,
+        "max_tokens_limit": config.router.max_tokens_limit,
     }
     return router.bind(decode, prefill, *router_args, scaler=scaler, **planner, **deadlines)
 

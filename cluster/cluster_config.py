@@ -137,6 +137,16 @@ class RouterConfig:
     # another replica (as a killed replica's does): a hung replica (stopped, not dead) would hold
     # its streams until Serve's health checks replace it. None: no watchdog.
     inter_token_timeout_s: float | None = 30.0
+    # Host names the router answers (any port): None = localhost, 127.0.0.1 and ::1 when it listens
+    # on loopback (a DNS-rebinding page comes under its own name), any when it listens beyond.
+    allowed_hosts: list[str] | None = None
+    # Web origins whose pages may send requests (browsers send Origin on cross-origin POSTs); a
+    # request without Origin (every API client) is not concerned. None = loopback pages only;
+    # ["*"] = any.
+    allowed_origins: list[str] | None = None
+    # The most tokens a request may ask for (400 naming max_tokens beyond it), and what one that
+    # names none gets. None: the context's rest, as vLLM.
+    max_tokens_limit: int | None = None
     max_retries: int = 1  # prefill retries / decode resumes per request
     # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
     # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
@@ -157,6 +167,16 @@ class RouterConfig:
         for key in ("request_timeout_s", "kv_lease_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be > 0 seconds")
+        for key in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, key)
+            if value is not None and not (
+                isinstance(value, list) and value and all(isinstance(v, str) and v.strip() for v in value)
+            ):
+                raise ConfigError(f'{key}={value!r} must be a non-empty list of names (or ["*"]), or null')
+        if self.max_tokens_limit is not None and not (
+            type(self.max_tokens_limit) is int and self.max_tokens_limit >= 1
+        ):
+            raise ConfigError(f"max_tokens_limit={self.max_tokens_limit!r} must be an integer >= 1 or null")
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
         if type(self.max_body_bytes) is not int or self.max_body_bytes < 1024:

@@ -7,7 +7,7 @@
 
 The engine builds and reads these without importing kv_transfer, which implements the connector.
 Tickets ride inside as the plain dicts kv_transfer's ``KVTicket.to_dict`` makes: the engine only
-passes them on (it reads ``request_id`` and ``lease_deadline``), and the connector checks them.
+passes them on (it reads ``request_id`` and ``lease_s``, a duration), and the connector checks them.
 msgpack appears only where a message crosses a process (``to_wire``/``from_wire``); a wire
 message is a shard's own driver's, never a network peer's.
 """

@@ -20,6 +20,7 @@ library.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from common.kv_messages import ConnectorStep, PushWindow, ShardReport, Ticket, TransferState
@@ -55,7 +56,10 @@ class KVHandoff:
         self.tickets: dict[str, Ticket] = {}  # prefill: request id -> ticket, until its push starts
         self.sending: set[str] = set()
         self.pushing: dict[str, int] = {}  # prefill, mid-prompt: request id -> ticket blocks pushed so far
-        self.push_leases: dict[str, float] = {}  # of those, the ticket's lease deadline (wall clock)
+        self.push_leases: dict[str, float] = {}  # of those, the ticket's lease deadline (monotonic)
+        # request id -> the lease deadline of its waiting ticket, on this process's monotonic clock
+        # (a ticket's lease is a duration: kv_transfer.ticket)
+        self._ticket_deadlines: dict[str, float] = {}
         self.receiving: set[str] = set()
         self.cancelled: set[str] = set()  # of ``sending``, the pushes this side cut off
         self._forget: list[str] = []
@@ -63,6 +67,7 @@ class KVHandoff:
 
     def send_on_prefill(self, request_id: str, ticket: Ticket) -> None:
         self.tickets[request_id] = ticket
+        self._ticket_deadlines[request_id] = time.monotonic() + float(ticket.get("lease_s", math.inf))
 
     def expect(self, request_id: str) -> None:
         """The caller registers the ticket on every shard itself (before handing it out)."""
@@ -71,6 +76,7 @@ class KVHandoff:
     def drop(self, request_id: str) -> None:
         """The request ended before its transfer started (abort): forget its ticket."""
         self.tickets.pop(request_id, None)
+        self._ticket_deadlines.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         """The request ended mid-prompt with its push started: the next message cancels it (the
@@ -99,7 +105,7 @@ class KVHandoff:
 
     def expired(self, now: float) -> list[str]:
         """Prompts not yet computed whose ticket's lease is over, started pushes included."""
-        waiting = [rid for rid, ticket in self.tickets.items() if now >= ticket.get("lease_deadline", math.inf)]
+        waiting = [rid for rid in self.tickets if now >= self._ticket_deadlines.get(rid, math.inf)]
         return waiting + [rid for rid, deadline in self.push_leases.items() if now >= deadline]
 
     @property
@@ -129,10 +135,12 @@ class KVHandoff:
                 continue
             ticket = None
             if not started:
-                ticket = self.tickets.pop(request_id)
+                deadline = self._ticket_deadlines.pop(request_id, math.inf)
+                # What is left of the lease after the prompt waited here, for the shards' senders.
+                ticket = {**self.tickets.pop(request_id), "lease_s": max(0.0, deadline - time.monotonic())}
                 self.sending.add(request_id)
                 if request_id in self.pushing:
-                    self.push_leases[request_id] = ticket.get("lease_deadline", math.inf)
+                    self.push_leases[request_id] = deadline
             pushes.append(PushWindow(request_id, block_ids, ticket, last))
         step = ConnectorStep(pushes=pushes, forget=self._forget, cancel=self._cancel)
         self._forget, self._cancel = [], []

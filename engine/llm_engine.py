@@ -404,7 +404,7 @@ class LLMEngine:
         of it is computed, and the router retries it under a fresh ticket or gives up (a push begun
         with its first chunks is cancelled)."""
         assert self.handoff is not None
-        now = time.time()  # a lease is wall-clock time: the decode replica's host set it
+        now = time.monotonic()  # leases are durations, each process's deadline on its own clock
         for request_id in self.handoff.expired(now):
             self.num_prefills_expired += 1
             logger.warning("%s: its KV lease ran out before its prompt was computed; dropped", request_id)

@@ -137,7 +137,7 @@ class KVReceiver:
             incoming = self._tickets.forget(request_id)
             if incoming is None:
                 return
-            give_up = time.monotonic() + max(0.0, incoming.ticket.lease_deadline - time.time()) + _WRITE_GRACE_S
+            give_up = time.monotonic() + incoming.ticket.lease_left_s() + _WRITE_GRACE_S
             while incoming.writing and self._writes_ended.wait(max(0.0, give_up - time.monotonic())):
                 pass
             if incoming.writing:  # a transport that never ended its write: a bug, reported, not a hang

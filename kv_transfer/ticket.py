@@ -1,4 +1,12 @@
-"""The decode side's reservation, handed to prefill: where to send, into which blocks, until when."""
+"""The decode side's reservation, handed to prefill: where to send, into which blocks, for how long.
+
+The lease travels as a duration, never as a time of day: two hosts' wall clocks need not agree (a
+sender whose clock ran ahead would take every lease as expired, one behind would push into blocks
+freed long ago). Each process keeps the ticket's deadline on its own monotonic clock, from when it
+received the ticket; the ticket written out again carries what is left of it. Transit between two
+processes is not subtracted: the sender's deadline can trail the receiver's by that much, and the
+receiver, which holds the blocks, refuses whatever comes after its own.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ class KVTicket:
     model_id: str
     block_ids: tuple[int, ...]  # the same ids on every receiver shard
     num_tokens: int  # prompt tokens whose KV is sent
-    lease_deadline: float  # time.time() after which the receiver refuses writes and frees the blocks
+    lease_deadline: float  # time.monotonic() of this process after which the lease is over
     secret: bytes = field(repr=False)  # authenticates every chunk (HMAC); never logged
 
     def __post_init__(self) -> None:
@@ -40,7 +48,10 @@ class KVTicket:
         return -(-self.num_tokens // self.layout.block_size)
 
     def is_expired(self, now: float | None = None) -> bool:
-        return (now if now is not None else time.time()) >= self.lease_deadline
+        return (now if now is not None else time.monotonic()) >= self.lease_deadline
+
+    def lease_left_s(self) -> float:
+        return max(0.0, self.lease_deadline - time.monotonic())
 
     def check_sender(self, layout: KVCacheLayout, model_id: str) -> None:
         """Refuse, before any byte moves, a sender whose cache cannot be copied into this ticket's."""
@@ -67,7 +78,7 @@ class KVTicket:
             "model_id": self.model_id,
             "block_ids": list(self.block_ids),
             "num_tokens": self.num_tokens,
-            "lease_deadline": self.lease_deadline,
+            "lease_s": self.lease_left_s(),  # a duration: the reader's clock starts it again
             "secret": self.secret,
         }
 
@@ -81,7 +92,7 @@ class KVTicket:
             model_id=data["model_id"],
             block_ids=tuple(data["block_ids"]),
             num_tokens=data["num_tokens"],
-            lease_deadline=data["lease_deadline"],
+            lease_deadline=time.monotonic() + float(data["lease_s"]),
             secret=bytes(data["secret"]),
         )
 
@@ -104,6 +115,6 @@ def make_ticket(
         model_id=model_id,
         block_ids=tuple(block_ids),
         num_tokens=num_tokens,
-        lease_deadline=time.time() + lease_s,
+        lease_deadline=time.monotonic() + lease_s,
         secret=secrets.token_bytes(32),
     )

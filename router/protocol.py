@@ -110,6 +110,7 @@ class ParsedRequest:
     echo: bool = False
     user: str | None = None
     cache_salt: str | None = None  # vLLM's field: prompts share cached KV only under one salt
+    max_tokens_field: str | None = None  # where the client named max_tokens; None: the default applies
 
 
 MAX_CACHE_SALT_CHARS = 1024
@@ -193,7 +194,18 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
     except InvalidRequestError as exc:
         raise ApiError(400, exc.message, param=renames.get(exc.param or "", exc.param), code=exc.code) from exc
     return ParsedRequest(
-        kind, model, prompt, messages, sampling, stream, include_usage, logprobs, echo, user, cache_salt
+        kind,
+        model,
+        prompt,
+        messages,
+        sampling,
+        stream,
+        include_usage,
+        logprobs,
+        echo,
+        user,
+        cache_salt,
+        max_tokens_field if max_tokens is not None else None,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-# pool name -> (time of the report, replica id -> report dict)
+# pool name -> (when it was recorded, on this process's monotonic clock; replica id -> report dict)
 _LATEST: dict[str, tuple[float, dict[str, dict]]] = {}
 # pool name -> its router.pool_placement.PoolPlacement (for the prefill pool's estimate of
 # conditional disaggregation); one per pool handle, so per pool in the router's process.
@@ -18,7 +18,7 @@ _PLACEMENTS: dict[str, Any] = {}
 
 
 def record(pool: str, reports: dict[str, dict]) -> None:
-    _LATEST[pool] = (time.time(), reports)
+    _LATEST[pool] = (time.monotonic(), reports)
 
 
 def latest_reports() -> dict[str, list[dict]]:
@@ -32,6 +32,14 @@ def takes_requests(pool: str) -> bool | None:
     if seen is None:
         return None
     return any(not r.get("draining") and not r.get("engine_error") for r in seen[1].values())
+
+
+def takes_requests_within(pool: str, max_age_s: float) -> bool | None:
+    """``takes_requests`` by reports recorded in the last ``max_age_s``; None where none is that recent."""
+    seen = _LATEST.get(pool)
+    if seen is None or time.monotonic() - seen[0] > max_age_s:
+        return None
+    return takes_requests(pool)
 
 
 def register_placement(pool: str, placement: Any) -> None:

@@ -35,6 +35,8 @@ from common.tokenizer_files import generic_fast_tokenizer
 from common.tracing import extract, setup_tracing
 from router import protocol
 from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorized, retry_after_header, tenant_salt
+from router.edge_guard import EdgeGuard, EdgePolicy
+from router.health import HealthCheck
 from router.http_listener import HttpListener
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, is_backpressure
@@ -308,6 +310,9 @@ class RouterServer:
         header_timeout_s: float = 10.0,
         body_timeout_s: float = 30.0,
         inter_token_timeout_s: float | None = 30.0,
+        allowed_hosts: list[str] | None = None,
+        allowed_origins: list[str] | None = None,
+        max_tokens_limit: int | None = None,
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
         ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
@@ -348,6 +353,9 @@ class RouterServer:
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)
         self.tenant_gate = TenantGate()
         self.max_body_bytes = max_body_bytes
+        self.max_tokens_limit = max_tokens_limit
+        self.health_check = self._health_check()
+        self.edge_policy = EdgePolicy.for_listener(host, allowed_hosts, allowed_origins)
         self.body_timeout_s = body_timeout_s
         self.num_in_flight = 0
         self.num_admitting = 0  # requests between the room check and their start (body, tokenizer)
@@ -394,7 +402,7 @@ class RouterServer:
         api.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        return _RequestIds(api)
+        return _RequestIds(EdgeGuard(api, self.edge_policy))
 
     async def http_address(self) -> tuple[str, int]:
         """Where this replica serves HTTP (port 0 in the config: the port it got)."""
@@ -426,27 +434,23 @@ class RouterServer:
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
-        """200 while requests can be served: every pool answers, and the pool that streams tokens
-        has a working replica. A prefill pool with none left (its engines stopped, Serve replacing
-        them) makes it "degraded", still 200: prompts are computed on their decode replicas."""
-        from router.routing_state import takes_requests
+        """From the replica reports the router has, a shared pool call only where they are missing
+        or old (router.health): 200 ok or degraded (no working prefill replica: prompts go to
+        decode), 503 when nothing can serve."""
+        status, body = await self.health_check.verdict()
+        if status == 200:
+            body["mode"] = self.mode
+        return JSONResponse(body, status_code=status)
 
-        pools = {"decode": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
-        down, degraded = [], []
-        for name, handle in pools.items():
-            if takes_requests("colocated" if self.prefill is None else name) is False:
-                # Not asked: while Serve replaces its replicas a call would wait for the new one.
-                (degraded if name == "prefill" else down).append(f"{name}: no working replica")
-                continue
-            try:
-                await asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S)
-            except Exception as exc:
-                down.append(f"{name}: {type(exc).__name__}")
-        if down:
-            return JSONResponse({"status": "unavailable", "pools_down": down}, status_code=503)
-        if degraded:
-            return JSONResponse({"status": "degraded", "mode": self.mode, "pools_degraded": degraded})
-        return JSONResponse({"status": "ok", "mode": self.mode})
+    def _health_check(self) -> HealthCheck:
+        from router.routing_state import takes_requests_within
+
+        pools = {"colocated": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
+        return HealthCheck(
+            pools,
+            takes_requests_within,
+            lambda handle: asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S),
+        )
 
     async def prometheus_metrics(self) -> Response:
         body, content_type = self.metrics.exposition()
@@ -542,6 +546,7 @@ class RouterServer:
                 parsed = await asyncio.get_running_loop().run_in_executor(self._parse_thread, work)
             else:
                 parsed = _decode_and_parse(raw, parse, self.served_model)
+            parsed = self._within_max_tokens_limit(parsed)
             max_model_len = await self._max_model_len()
             _check_prompt_chars(parsed, max_model_len, self.max_token_chars)
             prompt_ids, prompt_text = await self._tokenize_off_loop(parsed)
@@ -611,6 +616,20 @@ class RouterServer:
             return _error_response(_failed())
         finally:
             await deltas.aclose()
+
+    def _within_max_tokens_limit(self, parsed: ParsedRequest) -> ParsedRequest:
+        """router.max_tokens_limit: more asked is refused, naming the field; a default is cut to it."""
+        limit = self.max_tokens_limit
+        if limit is None or parsed.sampling.max_tokens <= limit:
+            return parsed
+        if parsed.max_tokens_field is not None:
+            raise protocol.ApiError(
+                400,
+                f"{parsed.max_tokens_field}={parsed.sampling.max_tokens} is more than this server's limit of "
+                f"{limit} tokens (router.max_tokens_limit)",
+                param=parsed.max_tokens_field,
+            )
+        return dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=limit))
 
     async def _tracked(
         self,

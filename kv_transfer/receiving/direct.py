@@ -127,7 +127,7 @@ class DirectLanding:
             spans,
             self.layer_bytes,
             self.layer_views,
-            incoming.ticket.lease_deadline - time.time(),
+            incoming.ticket.lease_deadline - time.monotonic(),
             incoming,
             [abort] if abort is not None else [],
         )

@@ -34,7 +34,7 @@ def segment_layer_bytes(push: Push, kv_layer: torch.Tensor, num_heads: int) -> i
 
 
 def time_left(ticket: KVTicket) -> float:
-    left = ticket.lease_deadline - time.time()
+    left = ticket.lease_deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("lease expired")
     return left

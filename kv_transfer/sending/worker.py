@@ -13,7 +13,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 
 from common.openmp import run_tensor_ops_serially
 from kv_transfer.device_streams import on_transfer_stream, wait_for
@@ -45,7 +44,7 @@ class SendWorker:
         if push is None or push.state.is_terminal:
             return
         # Called from the forward pass: wait a little for room, never for a whole lease.
-        timeout = min(_MAX_ENQUEUE_WAIT_S, max(0.0, push.ticket.lease_deadline - time.time()))
+        timeout = min(_MAX_ENQUEUE_WAIT_S, push.ticket.lease_left_s())
         try:
             self._queue.put(item, timeout=timeout)
         except queue.Full:

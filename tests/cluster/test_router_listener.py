@@ -125,7 +125,7 @@ def test_errors_are_openai_json_with_the_request_id_a_404_and_a_413_included(ser
 
     # A 33 MiB body declared (over the 32 MiB limit): refused from its headers, none of it sent.
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
-        head = ["POST /v1/completions HTTP/1.1", "host: x", f"content-length: {33 * 2**20}", "", ""]
+        head = ["POST /v1/completions HTTP/1.1", "host: 127.0.0.1", f"content-length: {33 * 2**20}", "", ""]
         raw.sendall("\r\n".join(head).encode())
         response = http.client.HTTPResponse(raw)
         response.begin()

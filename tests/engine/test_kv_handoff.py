@@ -11,7 +11,7 @@ _TRANSFERRING, _FAILED = TransferState.TRANSFERRING, TransferState.FAILED
 
 def _first_chunk(handoff: KVHandoff) -> ConnectorStep:
     """A 40-token prompt's first chunk of 24 tokens (one full block of 16) under a fresh ticket."""
-    handoff.send_on_prefill("r", {"request_id": "r", "lease_deadline": 1e12})
+    handoff.send_on_prefill("r", {"request_id": "r", "lease_s": 1e6})
     chunk = ScheduledChunk("r", list(range(24)), 0, [7, 8, 9], samples=False, in_prompt=True)
     return handoff.connector_step(SchedulerOutput([chunk]))
 
@@ -66,3 +66,22 @@ def test_messages_cross_the_process_edge_unchanged():
     )
     back = ShardReport.from_wire(msgpack.unpackb(msgpack.packb(report.to_wire()), raw=False))
     assert back == report and back.pushes["a"].state is TransferState.DONE
+
+
+def test_a_ticket_s_lease_counts_from_its_arrival_and_the_push_gets_what_is_left(monkeypatch):
+    import time
+
+    from engine import kv_handoff
+
+    clock = [1000.0]
+    monkeypatch.setattr(kv_handoff.time, "monotonic", lambda: clock[0])
+    handoff = KVHandoff(num_shards=1, block_size=16)
+    handoff.send_on_prefill("r", {"request_id": "r", "lease_s": 5.0})
+    handoff.send_on_prefill("q", {"request_id": "q", "lease_s": 1.0})
+    clock[0] += 3.0  # both queued 3 s behind other prompts
+    assert handoff.expired(clock[0]) == ["q"]
+    handoff.drop("q")
+    chunk = ScheduledChunk("r", list(range(24)), 0, [7, 8, 9], samples=False, in_prompt=True)
+    (push,) = handoff.connector_step(SchedulerOutput([chunk])).pushes
+    assert push.ticket["lease_s"] == 2.0 and handoff.push_leases == {"r": 1005.0}
+    assert handoff.expired(1005.0) == ["r"] and time.monotonic is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import msgpack
 import torch
 
 from common.kv_layout import KVCacheLayout
@@ -13,6 +14,7 @@ from kv_transfer import KVReceiver, KVSender, TransferState, make_ticket
 from kv_transfer.backends.shm import SharedMemoryTransport
 from kv_transfer.protocol import ChunkHeader
 from kv_transfer.resharding import shard_heads
+from kv_transfer.ticket import KVTicket
 from kv_transfer.transport import KVTransport, get_transport
 
 OPEN_REGIONS: list = []  # shared caches made by make_side; tests/kv_transfer/conftest.py releases them
@@ -110,10 +112,14 @@ def transfer(
     seed=0,
     integrity="crc32",
     windows: list[int] | None = None,
+    through_wire: bool = False,
+    before_send=None,
     **shape,
 ):
     """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side).
-    ``windows``: the blocks of each window the transfer leaves in, in order (None: one window)."""
+    ``windows``: the blocks of each window the transfer leaves in, in order (None: one window).
+    ``through_wire``: the senders get the ticket as another process would (msgpack of to_dict).
+    ``before_send``: called once the receivers hold the ticket, before any sender starts."""
     src, full = make_side(sender_tp, fill=True, seed=seed, shared=pulls(transport), **shape)
     dst, _ = make_side(receiver_tp, fill=False, **shape)
     receivers = [KVReceiver(dst.caches[r], dst.layouts[r], transport.name) for r in range(receiver_tp)]
@@ -125,11 +131,17 @@ def transfer(
     for rx in receivers:
         rx.expect(ticket)
     senders = [KVSender(src.layouts[s], "m", transport, integrity=integrity) for s in range(sender_tp)]
+    if before_send is not None:
+        before_send()
+    sent_ticket = ticket
+    if through_wire:
+        wire = msgpack.packb(ticket.to_dict(), use_bin_type=True)
+        sent_ticket = KVTicket.from_dict(msgpack.unpackb(wire, raw=False))
     for s, sender in enumerate(senders):
         start = 0
         for i, count in enumerate(windows or [nb]):
             if i == 0:
-                sender.start(ticket, src_blocks[:count])
+                sender.start(sent_ticket, src_blocks[:count])
             else:
                 sender.next_window(ticket.request_id, src_blocks[start : start + count])
             start += count

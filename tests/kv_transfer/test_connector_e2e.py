@@ -171,9 +171,9 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
             0.0,
         ).to_dict()  # already expired
         decode.expect_kv("late", ticket)
-        # Prefill sees time left (hosts' clocks differ: see the next test for a lease it sees run
-        # out), so it computes the prompt and the receiver, whose lease it is, refuses the KV.
-        prefill.add_request("late", ids, params, kv_ticket={**ticket, "lease_deadline": time.time() + 60})
+        # Prefill sees time left (a slow hop between the two: see the next test for a lease it sees
+        # run out), so it computes the prompt and the receiver, whose lease it is, refuses the KV.
+        prefill.add_request("late", ids, params, kv_ticket={**ticket, "lease_s": 60.0})
         finished = drive(prefill, decode, max_steps=500)
         assert finished["late"].outputs[0].finish_reason == "error" and "lease" in finished["late"].error
         assert "lease" in prefill.transfer_failures["late"]
@@ -300,7 +300,7 @@ def test_a_prompt_whose_lease_ran_out_is_dropped_before_more_of_it_is_computed(s
             return ticket
 
         # "waiting": its lease ran out while it queued (as if the prefill queue took a minute).
-        late = {**hand_out("waiting", long_ids), "lease_deadline": time.time() - 1}
+        late = {**hand_out("waiting", long_ids), "lease_s": 0.0}
         prefill.add_request("waiting", long_ids, params, kv_ticket=late)
         prefill.add_request("mid", long_ids[:90], params, kv_ticket=hand_out("mid", long_ids[:90]))
         prefill.add_request("ok", long_ids[:40], params, kv_ticket=hand_out("ok", long_ids[:40]))
@@ -308,7 +308,7 @@ def test_a_prompt_whose_lease_ran_out_is_dropped_before_more_of_it_is_computed(s
         assert set(dropped) == {"waiting"} and "lease expired" in dropped["waiting"].error
         assert dropped["waiting"].metrics.prefill_chunks == []  # not one token of it computed
         # "mid": its lease runs out after its first chunk (whose block it pushed); the next step drops it.
-        prefill.handoff.push_leases["mid"] = time.time() - 1
+        prefill.handoff.push_leases["mid"] = time.monotonic() - 1
         dropped = {o.request_id: o for o in prefill.step() if o.error}
         assert set(dropped) == {"mid"} and len(dropped["mid"].metrics.prefill_chunks) == 1
         assert prefill.num_prefills_expired == 2 and load_report(prefill)["num_prefills_expired"] == 2

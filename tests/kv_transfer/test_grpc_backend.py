@@ -345,7 +345,7 @@ def test_sender_process_killed_mid_transfer(transports, spawn):
 
     proc.kill()
     proc.wait(10)
-    remaining = ticket.lease_deadline - time.time()
+    remaining = ticket.lease_left_s()
     status = wait_terminal([lambda: receiver.poll("req-1")], timeout_s=remaining + 3)[0]
     assert status.state is TransferState.FAILED and "lease expired" in status.reason
     assert torch.count_nonzero(dst.caches[0][2]) == 0  # the layer never sent stays untouched

@@ -3,7 +3,9 @@ end in a terminal state with the reason, within the lease, writing nothing they 
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 import zlib
 
 import pytest
@@ -19,6 +21,7 @@ from kv_transfer.protocol import (
     payload_mac,
     payload_matches,
 )
+from kv_transfer.ticket import KVTicket
 from kv_transfer.transport import TransferRefused, available_backends
 from tests.kv_transfer.harness import (
     assert_bit_exact,
@@ -63,6 +66,40 @@ def test_bit_exact_across_tp_pairs(transport, sender_tp, receiver_tp, heads, dty
     assert stats.num_bytes > 0 and stats.total_time_s is not None and stats.num_layers == 3
     for s in senders:
         s.close()
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+def test_a_lease_is_a_duration_whatever_the_hosts_wall_clocks_say(transport, skew_s, monkeypatch):
+    """The ticket crosses to the sender as it would between hosts, and the clock of the day moves an
+    hour (ahead: a lease read as a time of day would be over before it began; behind: it would
+    outlive its blocks) once the receiver made it: nothing changes."""
+
+    def skew_the_wall_clock() -> None:  # the transfer code's only: gRPC's own deadlines read it too
+        skewed = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
+        skewed.time = lambda: time.time() + skew_s
+        for name, module in list(sys.modules.items()):
+            if name.startswith("kv_transfer") and getattr(module, "time", None) is time:
+                monkeypatch.setattr(module, "time", skewed)
+
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transport, 1, 1, lease_s=20.0, through_wire=True, before_send=skew_the_wall_clock
+    )
+    rx = wait_terminal([lambda: receivers[0].poll("req-1")])
+    tx = wait_terminal([lambda: senders[0].poll("req-1")])
+    assert all(s.state is TransferState.DONE for s in rx + tx), [(s.state, s.reason) for s in rx + tx]
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert 0 < KVTicket.from_dict(ticket.to_dict()).lease_left_s() <= 20.0
+    senders[0].close()
+
+
+def test_a_ticket_written_out_carries_what_is_left_of_its_lease(monkeypatch):
+    dst, _ = make_side(1, fill=False)
+    ticket = make_ticket("req-1", "tcp", ["127.0.0.1:1"], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30.0)
+    real_monotonic = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + 12.0)  # held 12 s
+    assert "lease_deadline" not in ticket.to_dict() and 17.0 < ticket.to_dict()["lease_s"] <= 18.0
+    monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + 31.0)
+    assert ticket.is_expired() and ticket.to_dict()["lease_s"] == 0.0
 
 
 def test_smollm2_layout_bit_exact(transport):

@@ -171,7 +171,7 @@ def test_a_body_that_stops_coming_gets_408_and_gives_its_admission_slot_back(ser
         reader, writer = await asyncio.open_connection("127.0.0.1", server.listener.port)
         body = b'{"model": "smol", "prompt": "Hello", "max_tokens": 2}'
         head = (
-            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n"
         )
         writer.write(head.encode() + body[:10])

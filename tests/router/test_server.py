@@ -162,13 +162,15 @@ def test_health_is_degraded_without_a_working_prefill_replica_and_down_without_a
 
     server = BareServer()
     server.mode, server.decode, server.prefill = "disagg", CountingPool(8192), CountingPool(8192)
+    server.health_check = server._health_check()
     monkeypatch.setattr(routing_state, "_LATEST", {})
 
     def health() -> tuple[int, dict]:
         response = asyncio.run(server.health())
         return response.status_code, json.loads(response.body)
 
-    assert health() == (200, {"status": "ok", "mode": "disagg"})  # no report seen yet: nothing against them
+    assert health() == (200, {"status": "ok", "mode": "disagg"})  # no report yet: each pool asked once
+    assert (server.decode.calls, server.prefill.calls) == (1, 1)
     routing_state.record("decode", {"d0": {"engine_error": ""}})
     routing_state.record("prefill", {"p0": {"engine_error": "RuntimeError: a shard died"}})
     assert health() == (
@@ -178,3 +180,4 @@ def test_health_is_degraded_without_a_working_prefill_replica_and_down_without_a
     routing_state.record("decode", {})  # the only decode replica gone
     code, body = health()
     assert code == 503 and body["pools_down"] == ["decode: no working replica"]
+    assert (server.decode.calls, server.prefill.calls) == (1, 1)  # fresh reports: no pool was asked
