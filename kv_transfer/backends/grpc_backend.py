@@ -13,7 +13,12 @@ and copies each slice as it arrives straight into the reserved blocks, so neithe
 assembles or scatters. A receiver that cannot (a non-contiguous cache) answers ``declined`` and is
 sent copies from then on.
 
-Every call carries a deadline (the sender's ``timeout_s``). Errors map onto the KVChannel contract:
+Every call carries a deadline (the sender's ``timeout_s``), and the server keeps its own, whatever
+the caller asked (``kv_transfer.backends.call_deadlines``): a call whose header piece has not come
+within ``first_piece_s`` is cancelled, and any call after ``max_call_s``; one peer address holds at
+most ``max_calls_per_peer`` server threads (default: all but one), and the connection's keepalive
+pings are limited. Silent streams then hold a thread for seconds, not for ever. Errors map onto the
+KVChannel contract:
 Ack{ok=false} → TransferRefused, DEADLINE_EXCEEDED → TimeoutError, any other gRPC status (peer gone,
 connection refused, cancelled, overloaded) → ConnectionError.
 
@@ -33,14 +38,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from common.openmp import run_tensor_ops_serially
+from kv_transfer.backends.call_deadlines import CallDeadlines
 from kv_transfer.receiver import KVReceiver, NotInPlace
 from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 from protos import kv_transfer_pb2
@@ -58,6 +66,24 @@ Piece = kv_transfer_pb2.Piece
 Ack = kv_transfer_pb2.Ack
 _SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 _DATA_TAG = bytes([3 << 3 | 2])  # Piece.data: field 3, length-delimited
+
+
+# The server's side of a connection: no pings from clients between calls, none more often than
+# every 10 s (two strikes close the connection), and a connection idle for 5 minutes is closed.
+_SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.max_connection_idle_ms", 300_000),
+]
+
+
+def _peer_host(peer: str) -> str:
+    """``ipv4:127.0.0.1:5000`` -> ``127.0.0.1``; ``ipv6:[::1]:5000`` -> ``::1``."""
+    address = peer.split(":", 1)[1] if ":" in peer else peer
+    if address.startswith("["):
+        return address[1 : address.find("]")]
+    return address.rsplit(":", 1)[0]
 
 
 def _channel_options(piece_bytes: int) -> list[tuple[str, int]]:
@@ -122,20 +148,58 @@ def _allocate(num_bytes: int) -> bytearray:
     return bytearray(num_bytes)
 
 
+@dataclass(frozen=True)
+class CallLimits:
+    first_piece_s: float = 5.0  # a call whose header piece has not come by then is cancelled
+    max_call_s: float = 120.0  # any call, after its header: a lease is 30 s plus a prompt's share
+    max_calls_per_peer: int = 7  # server threads one peer address may hold at once
+
+
 class _KVTransferServicer:
     """Serves one receiver on the server's worker threads, one chunk per call."""
 
-    def __init__(self, receiver: KVReceiver, max_payload_bytes: int, max_reused_bytes: int) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        max_payload_bytes: int,
+        max_reused_bytes: int,
+        deadlines: CallDeadlines,
+        limits: CallLimits,
+    ) -> None:
         self.receiver = receiver
         self.max_payload_bytes = max_payload_bytes
         self.max_reused_bytes = max_reused_bytes
+        self.deadlines = deadlines
+        self.limits = limits
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._calls_by_peer: dict[str, int] = {}
 
     def push(self, pieces: Iterator[Piece | memoryview], context: grpc.ServicerContext) -> Ack:
+        peer = _peer_host(context.peer())
+        with self._lock:
+            calls = self._calls_by_peer.get(peer, 0)
+            if calls >= self.limits.max_calls_per_peer:
+                return Ack(ok=False, reason=f"{calls} calls from {peer} are in progress here (max_calls_per_peer)")
+            self._calls_by_peer[peer] = calls + 1
+        key = self.deadlines.watch(time.monotonic() + self.limits.first_piece_s, context.cancel)
+        try:
+            return self._push(pieces, context, key)
+        finally:
+            self.deadlines.end(key)
+            with self._lock:
+                left = self._calls_by_peer[peer] - 1
+                if left:
+                    self._calls_by_peer[peer] = left
+                else:
+                    del self._calls_by_peer[peer]
+
+    def _push(self, pieces: Iterator[Piece | memoryview], context: grpc.ServicerContext, key: int) -> Ack:
         try:
             first = next(pieces, None)
             if not isinstance(first, Piece):
                 raise TransferRefused("a chunk must start with its header piece")
+            self.deadlines.move(key, time.monotonic() + self.limits.max_call_s)
             with self.receiver.landing_stream():  # a GPU cache's copies off the compute stream
                 if first.in_place:
                     self._receive_in_place(first, pieces, context)
@@ -145,7 +209,7 @@ class _KVTransferServicer:
             return Ack(ok=False, reason=str(exc), declined=True)
         except TransferRefused as exc:
             return Ack(ok=False, reason=str(exc))
-        except grpc.RpcError:  # the sender went away or its deadline passed: nobody reads this answer
+        except grpc.RpcError:  # the sender went away or a deadline passed: nobody reads this answer
             return Ack(ok=False, reason="the chunk was cancelled before it arrived")
         except Exception as exc:  # a receiver bug refuses this chunk; the server keeps serving
             logger.exception("KV receiver failed on a chunk")
@@ -327,6 +391,9 @@ class GrpcTransport(KVTransport):
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         max_concurrent_rpcs: int | None = None,
         max_reused_bytes: int = DEFAULT_MAX_REUSED_BYTES,
+        first_piece_s: float = CallLimits.first_piece_s,
+        max_call_s: float = CallLimits.max_call_s,
+        max_calls_per_peer: int | None = None,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers={max_workers}: need at least 1 server thread")
@@ -339,6 +406,14 @@ class GrpcTransport(KVTransport):
         self.piece_bytes = piece_bytes
         self.max_concurrent_rpcs = max_concurrent_rpcs if max_concurrent_rpcs is not None else 4 * max_workers
         self.max_reused_bytes = max_reused_bytes
+        if not (first_piece_s > 0 and max_call_s > 0):
+            raise ValueError(f"first_piece_s={first_piece_s}, max_call_s={max_call_s}: must be > 0 seconds")
+        if max_calls_per_peer is not None and max_calls_per_peer < 1:
+            raise ValueError(f"max_calls_per_peer={max_calls_per_peer}: must be >= 1")
+        # One thread is always left to the other peers of a server.
+        per_peer = max_calls_per_peer if max_calls_per_peer is not None else max(1, max_workers - 1)
+        self.limits = CallLimits(first_piece_s, max_call_s, per_peer)
+        self.deadlines = CallDeadlines("kv-grpc")
         self._lock = threading.Lock()
         self._servers: list[grpc.Server] = []
         self._channels: weakref.WeakSet[_GrpcChannel] = weakref.WeakSet()
@@ -353,10 +428,12 @@ class GrpcTransport(KVTransport):
             ThreadPoolExecutor(
                 max_workers=self.max_workers, thread_name_prefix="kv-grpc", initializer=run_tensor_ops_serially
             ),
-            options=_channel_options(self.piece_bytes),
+            options=_channel_options(self.piece_bytes) + _SERVER_OPTIONS,
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
         )
-        servicer = _KVTransferServicer(receiver, self.max_payload_bytes, self.max_reused_bytes)
+        servicer = _KVTransferServicer(
+            receiver, self.max_payload_bytes, self.max_reused_bytes, self.deadlines, self.limits
+        )
         handlers = {
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.push, request_deserializer=_decode_piece, response_serializer=Ack.SerializeToString
@@ -397,3 +474,4 @@ class GrpcTransport(KVTransport):
         stopped = [server.stop(grace=1.0) for server in servers]
         for event in stopped:
             event.wait(timeout=2.0)
+        self.deadlines.stop()

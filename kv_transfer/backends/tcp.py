@@ -88,14 +88,20 @@ class TcpConfig:
     max_reused_bytes: int = 64 << 20  # a connection keeps its receive buffer up to this size
     connect_timeout_s: float = 10.0
     idle_s: float = 60.0  # a connection without a chunk for this long is closed
+    # Until a connection's first chunk proves its sender holds a ticket here (a header signed with
+    # its secret), it is on probation: closed unless that chunk comes within first_chunk_s, and one
+    # peer address holds at most max_probation_per_peer of them (idle or forged sockets from one
+    # host cannot fill the endpoint's slots, nor hold one for long).
+    first_chunk_s: float = 5.0
+    max_probation_per_peer: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_payload_bytes"):
+        for name in ("max_connections", "max_payload_bytes", "max_probation_per_peer"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"tcp KV transport: {name}={getattr(self, name)} must be at least 1")
         if self.max_reused_bytes < 0:
             raise ConfigError(f"tcp KV transport: max_reused_bytes={self.max_reused_bytes} must be >= 0")
-        for name in ("connect_timeout_s", "idle_s"):
+        for name in ("connect_timeout_s", "idle_s", "first_chunk_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"tcp KV transport: {name}={getattr(self, name)} must be a positive number")
 
@@ -207,6 +213,7 @@ class _Endpoint:
         self.stopped = threading.Event()
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._probation: dict[socket.socket, str] = {}  # connections with no authentic chunk yet -> peer
         self._accept = threading.Thread(target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True)
         self._accept.start()
 
@@ -238,14 +245,21 @@ class _Endpoint:
         cfg = self.config
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         deadline = time.monotonic() + cfg.connect_timeout_s
+        peer = _peer_address(conn)
+        reason = ""
         with self._lock:
-            admitted = len(self._connections) < cfg.max_connections and not self.stopped.is_set()
-            if admitted:
+            on_probation = sum(1 for p in self._probation.values() if p == peer)
+            if self.stopped.is_set() or len(self._connections) >= cfg.max_connections:
+                reason = f"receiver at its limit of {cfg.max_connections} connections"
+            elif on_probation >= cfg.max_probation_per_peer:
+                reason = f"{on_probation} connections from {peer} have sent no authentic chunk yet"
+            else:
                 thread = threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn", daemon=True)
                 self._connections[conn] = thread
+                self._probation[conn] = peer
+        admitted = not reason
         try:
             if not admitted:
-                reason = f"receiver at its limit of {cfg.max_connections} connections"
                 logger.warning("tcp KV transport on port %d turned a sender away: %s", self.port, reason)
                 _send_verdict(conn, _UNAVAILABLE, reason, deadline, closing=True)
                 conn.close()
@@ -259,15 +273,24 @@ class _Endpoint:
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._connections.pop(conn, None)
+            self._probation.pop(conn, None)
         conn.close()
+
+    def _trust(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._probation.pop(conn, None)
 
     def _serve(self, conn: socket.socket) -> None:
         run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         try:
             buffer = bytearray(0)  # reused: apply() has copied the payload out when it returns
             with self.receiver.landing_stream():  # a GPU cache's bounce copies off the compute stream
+                # The first chunk comes soon or never; its header is authentic, or the connection
+                # closes (_UNTRUSTED); then the connection may idle between transfers.
+                buffer = self._serve_chunk(conn, buffer, self.config.first_chunk_s)
+                self._trust(conn)
                 while not self.stopped.is_set():
-                    buffer = self._serve_chunk(conn, buffer)
+                    buffer = self._serve_chunk(conn, buffer, self.config.idle_s)
         except (TimeoutError, ConnectionError, OSError) as exc:  # idle, the sender left, or broke the protocol
             logger.debug("tcp KV connection on port %d closed: %s", self.port, exc)
         except Exception:
@@ -275,10 +298,10 @@ class _Endpoint:
         finally:
             self._forget(conn)
 
-    def _serve_chunk(self, conn: socket.socket, buffer: bytearray) -> bytearray:
+    def _serve_chunk(self, conn: socket.socket, buffer: bytearray, wait_s: float) -> bytearray:
         cfg = self.config
         head = bytearray(_HEAD.size)
-        _recv_into(conn, memoryview(head), time.monotonic() + cfg.idle_s, "waiting for the next chunk")
+        _recv_into(conn, memoryview(head), time.monotonic() + wait_s, "waiting for the next chunk")
         magic, header_len, payload_len, timeout_ms, in_place = _HEAD.unpack(head)
         if magic != _MAGIC or not 0 < header_len <= _MAX_HEADER_BYTES or in_place > 1:
             raise ConnectionError(f"malformed chunk head ({magic!r}, {header_len}-byte header)")
@@ -383,6 +406,13 @@ def _bounce_buffer() -> torch.Tensor:
             _BOUNCE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
         )
     return bounce
+
+
+def _peer_address(conn: socket.socket) -> str:
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "?"
 
 
 def _discard(conn: socket.socket, nbytes: int, deadline: float) -> None:

@@ -129,6 +129,54 @@ def test_generated_stub_interoperates(transports):
     assert torch.all(dst.caches[0][0][:, [1, 2, 3, 4]] == 2.0)
 
 
+def _silent_stream(endpoint: str, opened: list, release: threading.Event):
+    """A Push call that sends nothing until ``release`` (no client deadline): a peer holding a thread."""
+    channel = grpc.insecure_channel(endpoint.removeprefix("grpc://"))
+    opened.append(channel)
+
+    def nothing():
+        release.wait(60)
+        return
+        yield
+
+    return kv_transfer_pb2_grpc.KVTransferStub(channel).Push.future(nothing())
+
+
+def test_silent_streams_are_cancelled_soon_and_one_peer_never_holds_every_thread(transports):
+    """8 Push calls that send nothing and set no deadline (7f34ac8: they held all 8 server threads
+    for as long as they stayed open): the eighth is refused at once (one thread stays free for
+    other peers), the others cancelled after first_piece_s; then chunks are served as before."""
+    server = transports(max_workers=8, first_piece_s=1.0)
+    assert server.limits.max_calls_per_peer == 7
+    _receiver, ticket, dst = _serve_one(server)
+    opened: list = []
+    release = threading.Event()
+    try:
+        started = time.monotonic()
+        silent = [_silent_stream(ticket.receiver_endpoints[0], opened, release) for _ in range(8)]
+        outcomes = []
+        for future in silent:
+            error = future.exception(timeout=10)
+            outcomes.append(error.code() if error is not None else future.result().reason)
+        assert time.monotonic() - started < 5.0
+        assert outcomes.count(grpc.StatusCode.CANCELLED) == 7, outcomes
+        assert sum("max_calls_per_peer" in str(o) for o in outcomes) == 1, outcomes
+        assert server.deadlines.num_cancelled == 7
+        header, payload = _layer_chunk(ticket, layer=0, value=3.0)
+        transports().connect(ticket.receiver_endpoints[0]).send(header, payload, 10)
+        assert torch.all(dst.caches[0][0][:, [1, 2, 3, 4]] == 3.0)
+    finally:
+        release.set()
+        for channel in opened:
+            channel.close()
+
+
+def test_peers_are_counted_by_address():
+    assert grpc_backend._peer_host("ipv4:127.0.0.1:5000") == "127.0.0.1"
+    assert grpc_backend._peer_host("ipv6:[::1]:5000") == "::1"
+    assert grpc_backend._peer_host("unix:/tmp/x") == "/tmp/x"
+
+
 # --- serving: loopback only, bounded memory ---------------------------------------------------------
 
 

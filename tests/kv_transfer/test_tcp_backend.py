@@ -106,6 +106,57 @@ def test_bad_config_is_refused():
         TcpConfig(idle_s=0)
 
 
+# --- idle and forged connections: on probation until their first authentic chunk -----------------------
+
+
+def _from(address: str, endpoint: str) -> socket.socket:
+    """A raw connection from another loopback address (another host, as the endpoint sees it)."""
+    host, port = tcp._split_endpoint(endpoint)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.bind((address, 0))
+    sock.connect((host, port))
+    return sock
+
+
+def test_idle_sockets_from_one_host_hold_a_few_probation_slots_briefly_and_real_transfers_go_on(transports):
+    """300 sockets from one peer that never send a chunk (7f34ac8: 256 took every slot for 60 s):
+    that peer holds at most max_probation_per_peer of them, each closed after first_chunk_s, and a
+    sender elsewhere pushes meanwhile, on a fresh connection."""
+    server = transports(first_chunk_s=3.0, max_probation_per_peer=4, max_connections=16)
+    _receiver, ticket, dst = _serve_one(server)
+    endpoint = ticket.receiver_endpoints[0]
+    started = time.monotonic()
+    idle = [_from("127.0.0.2", endpoint) for _ in range(300)]
+    greeted = [tcp._recv_verdict(sock, time.monotonic() + 5, "greeting") for sock in idle]
+    assert sum(v[0] == tcp._OK for v in greeted) == 4
+    assert all(v[0] == tcp._UNAVAILABLE and "no authentic chunk" in v[1] for v in greeted if v[0] != tcp._OK)
+    header, payload = _copied_chunk(ticket)
+    channel = transports().connect(endpoint)
+    channel.send(header, payload, 5)  # from 127.0.0.1: not the idle peer's slots
+    assert torch.all(dst.caches[0][0][:, 1:5] == 1)
+    admitted = [sock for sock, v in zip(idle, greeted, strict=True) if v[0] == tcp._OK]
+    assert all(_closed_by_peer(sock, timeout_s=10) for sock in admitted)
+    assert time.monotonic() - started < 8.0  # first_chunk_s, not idle_s (60 s)
+    assert wait_until(lambda: server.num_connections() == 1)  # the real sender's, trusted, stays
+    channel.close()
+    for sock in idle:
+        sock.close()
+
+
+def test_a_forged_first_chunk_ends_probation_with_the_connection(transports):
+    server = transports(max_probation_per_peer=2)
+    receiver, ticket, dst = _serve_one(server)
+    for _ in range(5):  # each forged chunk closes its connection: probation slots come back
+        with _from("127.0.0.3", ticket.receiver_endpoints[0]) as sock:
+            assert tcp._recv_verdict(sock, time.monotonic() + 5, "greeting")[0] == tcp._OK
+            header, payload = _copied_chunk(ticket, secret=b"not-the-secret" * 3)
+            sock.sendall(tcp._HEAD.pack(tcp._MAGIC, len(header), len(payload), 5000, 0) + header)
+            assert tcp._recv_verdict(sock, time.monotonic() + 5, "verdict")[0] == tcp._REFUSED
+            assert _closed_by_peer(sock)
+    assert receiver.refusals["bad_signature"] == 5 and _untouched(dst)
+
+
 # --- malformed input: the connection closes, nothing is written, the endpoint keeps serving ------------
 
 
