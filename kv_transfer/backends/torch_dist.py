@@ -5,7 +5,9 @@ in the same process). Each ``serve`` starts a TCPStore; a sender's channel pairs
 first use, and replicas come and go without anyone knowing the set in advance.
 
     sender channel (rank 1)                            receiver endpoint (rank 0)
-    id = add("pairs/next", 1); set(pair/id/hello)  ──▶ accept thread: verdict (ok | refused: full)
+    id = add("pairs/next", 1); set(pair/id/hello)  ──▶ accept thread: verdict (ok | refused: full, or
+      (hello: where its KV is, and the signed header      the header is not authentic)
+       of the chunk it pairs to send)
     ProcessGroupGloo(PrefixStore("pair/id"), 1, 2) ◀─▶ pair thread: ProcessGroupGloo(..., 0, 2)
     per chunk:  head [sizes, deadline | header]    ──▶ sizes checked before allocating
                                                    ◀── go | refused        (layer chunks only)
@@ -29,11 +31,14 @@ first (the pieces of a chunk: no extra cost measured). Head and verdict have fix
 so each is a single message.
 
 Trust: gloo trusts its peer. A message larger than the receive posted for it aborts the whole
-process inside gloo (an enforce, not an exception), and pairing needs no secret, so anyone who can
-reach the endpoint can take the receiving process down, though not write into its cache: every
-chunk is authenticated before any receive into the cache is posted, and a sender sends in place
-only pieces of the receiver's block size. Serve this backend on loopback or a trusted network;
-gRPC checks every byte it is sent.
+process inside gloo (an enforce, not an exception). So pairing is authenticated: the hello carries
+the header of the chunk the sender pairs to send, signed with its ticket's secret, and a pair is
+made only for a sender that holds a live ticket here. The store itself (torch's TCPStore) takes
+writes from anyone who reaches it: a counter pushed far ahead (``add("pairs/next", 10**6)``) costs
+the pairs behind it one pairing deadline, after which the accept thread finds the newest announced
+hello. Every chunk is still authenticated before any receive into the cache is posted, and a sender
+sends in place only pieces of the receiver's block size. Serve this backend on loopback or a
+trusted network; gRPC checks every byte it is sent.
 
 Host payloads travel over gloo; a CUDA payload for a CUDA receiver travels over NCCL, in a second
 group of the same pair, made at pairing when both ends hold GPU caches (the sender's hello says
@@ -75,6 +80,9 @@ from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 logger = logging.getLogger(__name__)
 
 _NEXT_ID = "pairs/next"
+# Ids looked through for an announced hello when the next one in turn never came (a sender that
+# died between taking its id and announcing it, or a counter pushed ahead by a stranger).
+_STALL_SCAN = 64
 _HEAD = struct.Struct("<5q")  # header_len, payload_len, timeout_ms, payload_on_device, pieces; then the header
 _HEAD_BYTES = 2048
 _MAX_HEADER = _HEAD_BYTES - _HEAD.size
@@ -284,6 +292,17 @@ class _Pair:
         self._gloo = self._nccl = None
 
 
+def _next_announced(store: dist.TCPStore, stalled_id: int, counter: int) -> int:
+    """The id to wait on after ``stalled_id`` never announced: the first announced one of the
+    newest ``_STALL_SCAN`` ids (a counter pushed far ahead leaves those behind it unannounced), else
+    the newest (its sender may be about to announce it), else the one after it."""
+    first = max(stalled_id + 1, counter - _STALL_SCAN + 1)
+    for pair_id in range(first, counter + 1):
+        if store.check([f"pair/{pair_id}/hello"]):
+            return pair_id
+    return counter if counter > stalled_id else counter + 1
+
+
 def _send_verdict(pair: _Pair, buf: torch.Tensor, status: int, reason: str, deadline: float) -> None:
     data = reason.encode()[: _VERDICT_BYTES - _VERDICT.size]
     view = memoryview(buf.numpy())
@@ -353,11 +372,13 @@ class _Endpoint:
                 if store.check([f"pair/{next_id}/hello"]):
                     self._admit(store, next_id)
                     next_id, stalled_since = next_id + 1, None
-                elif store.add(_NEXT_ID, 0) > next_id:
-                    # A sender that took an id and died before announcing it must not block those after it.
+                elif (counter := store.add(_NEXT_ID, 0)) > next_id:
+                    # A sender that took an id and died before announcing it, or a counter pushed
+                    # ahead, must not block those after it: past the deadline, go on from the first
+                    # announced id among the newest, or wait on the newest.
                     stalled_since = stalled_since or time.monotonic()
                     if time.monotonic() - stalled_since > self.config.connect_timeout_s / 2:
-                        next_id, stalled_since = next_id + 1, None
+                        next_id, stalled_since = _next_announced(store, next_id, counter), None
         except Exception:
             if not self.stopped.is_set():
                 logger.exception("torch KV transport on port %d stopped accepting", self.port)
@@ -365,11 +386,16 @@ class _Endpoint:
     def _admit(self, store: dist.TCPStore, pair_id: int) -> None:
         cfg = self.config
         thread = None
-        try:  # where the sender holds its KV (an empty hello: a sender from before this field)
+        try:  # where the sender holds its KV, and the signed header of its first chunk
             hello = msgpack.unpackb(store.get(f"pair/{pair_id}/hello") or msgpack.packb({}))
         except Exception:
             hello = {}
         hello = hello if isinstance(hello, dict) else {}
+        refused = self._unauthentic(hello.get("header"))
+        if refused is not None:
+            logger.warning("torch KV transport on port %d refused pair %d: %s", self.port, pair_id, refused)
+            store.set(f"pair/{pair_id}/verdict", msgpack.packb({"ok": False, "refused": True, "reason": refused}))
+            return
         legacy = "device" not in hello  # its GPU payloads make the NCCL group lazily, on first use
         on_gpus = self.device.type == "cuda" and hello.get("device") == "cuda"
         # Both ends on one GPU: NCCL refuses a pair there; their KV goes through the host (gloo).
@@ -399,6 +425,20 @@ class _Endpoint:
         store.set(f"pair/{pair_id}/verdict", msgpack.packb(verdict))
         if thread is not None:
             thread.start()
+
+    def _unauthentic(self, header: object) -> str | None:
+        """Why a hello's header proves no ticket here (None: it does; refusals for other reasons,
+        a released or expired ticket, still prove the sender holds its secret)."""
+        if not isinstance(header, bytes) or not 0 < len(header) <= _MAX_HEADER:
+            return "pairing needs the signed header of the chunk to send"
+        try:
+            self.receiver.check_header(header, 0)
+        except TransferRefused as exc:
+            if exc.kind in ("malformed", "unknown_ticket", "bad_signature"):
+                return str(exc)
+        except Exception as exc:
+            return f"unreadable header: {type(exc).__name__}"
+        return None
 
     def _pair_loop(self, pair_id: int, mode: str, idle_s: float) -> None:
         run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
@@ -567,6 +607,7 @@ class _TorchDistChannel(KVChannel):
         self.config = config
         self._lock = threading.Lock()
         self._pair: _Pair | None = None
+        self._stuck_handshake: threading.Thread | None = None  # a pairing a silent receiver never answered
         self._pair_idle_s = config.pair_idle_s  # the receiver's, once paired
         self._receiver_device = "cpu"
         self._nccl = False  # this pair carries GPU payloads over NCCL
@@ -608,7 +649,7 @@ class _TorchDistChannel(KVChannel):
         if self._pair is not None and time.monotonic() - self._last_used > self._pair_idle_s / 2:
             self._drop()  # the receiver closes idle pairs; re-pair rather than race it
         if self._pair is None:
-            self._pair_up(deadline, current_transfer_device())
+            self._pair_up(deadline, current_transfer_device(), header)
         return deadline
 
     def _deliver(self, header: bytes, parts: list[torch.Tensor], in_place: bool, deadline: float) -> bool:
@@ -668,7 +709,7 @@ class _TorchDistChannel(KVChannel):
             pair.send_all(parts, deadline, "sending a chunk payload")
         return _recv_verdict(pair, self._verdict, deadline)
 
-    def _pair_up(self, deadline: float, gpu: torch.device | None) -> None:
+    def _pair_up(self, deadline: float, gpu: torch.device | None, header: bytes) -> None:
         end = min(deadline, time.monotonic() + self.config.connect_timeout_s)
         left = end - time.monotonic()
         if left <= 0:
@@ -678,17 +719,18 @@ class _TorchDistChannel(KVChannel):
                 local = probe.getsockname()[0]  # the local address that routes to the receiver
         except OSError as exc:
             raise ConnectionError(f"no KV receiver at {self.endpoint}: {exc}") from None
+        if self._stuck_handshake is not None and self._stuck_handshake.is_alive():
+            raise ConnectionError(f"{self.endpoint}: the last pairing is still without an answer (a stopped receiver?)")
+        hello = {
+            "device": "cuda" if gpu is not None else "cpu",
+            "gpu": _gpu_uuid(gpu) if gpu is not None else None,
+            "header": bytes(header),  # proves a ticket: the receiver pairs with no one else
+        }
         try:
-            store = dist.TCPStore(self.host, self.port, is_master=False, timeout=_td(left))
-            pair_id = store.add(_NEXT_ID, 1)
-            hello = {"device": "cuda" if gpu is not None else "cpu", "gpu": _gpu_uuid(gpu) if gpu is not None else None}
-            store.set(f"pair/{pair_id}/hello", msgpack.packb(hello))
-            verdict_key = f"pair/{pair_id}/verdict"
-            store.wait([verdict_key], _td(end - time.monotonic()))
-            verdict = msgpack.unpackb(store.get(verdict_key))
-            store.delete_key(verdict_key)
-            store.delete_key(f"pair/{pair_id}/hello")
+            store, pair_id, verdict = self._handshake(hello, end)
             if not verdict["ok"]:
+                if verdict.get("refused"):  # the chunk's own refusal (its header is not authentic)
+                    raise TransferRefused(verdict["reason"])
                 raise ConnectionError(f"{self.endpoint} refused to pair: {verdict['reason']}")
             pair = _Pair(store, pair_id, 1, local, end - time.monotonic(), self.config.nccl_timeout_s)
             if verdict.get("nccl") and gpu is not None:
@@ -707,6 +749,37 @@ class _TorchDistChannel(KVChannel):
         # A receiver from before "nccl" makes its NCCL group lazily, on the first GPU payload.
         self._nccl = gpu is not None and bool(verdict.get("nccl", verdict["device"] == "cuda"))
         self._last_used = time.monotonic()
+
+    def _handshake(self, hello: dict, end: float) -> tuple[dist.TCPStore, int, dict]:
+        """The store's part of pairing, on a thread of its own bounded by ``end``: a TCPStore client
+        waits without limit for a receiver that accepted the connection and then stopped answering
+        (SIGSTOP, a wedged host), whatever timeout it is given. A handshake left behind ends when
+        that receiver answers or dies; the channel starts no other meanwhile."""
+        outcome: dict = {}
+
+        def handshake() -> None:
+            try:
+                store = dist.TCPStore(self.host, self.port, is_master=False, timeout=_td(end - time.monotonic()))
+                pair_id = store.add(_NEXT_ID, 1)
+                store.set(f"pair/{pair_id}/hello", msgpack.packb(hello))
+                verdict_key = f"pair/{pair_id}/verdict"
+                store.wait([verdict_key], _td(max(0.001, end - time.monotonic())))
+                verdict = msgpack.unpackb(store.get(verdict_key))
+                store.delete_key(verdict_key)
+                store.delete_key(f"pair/{pair_id}/hello")
+                outcome["value"] = (store, pair_id, verdict)
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=handshake, name="kv-torch-pairing", daemon=True)
+        thread.start()
+        thread.join(max(0.0, end - time.monotonic()))
+        if thread.is_alive():
+            self._stuck_handshake = thread
+            raise TimeoutError(f"pairing with {self.endpoint}: no answer within the deadline (a stopped receiver?)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _drop(self) -> None:
         if self._pair is not None:

@@ -119,7 +119,7 @@ def transfer(
     """Run one full transfer; returns (receivers, senders, ticket, full source cache, dst side).
     ``windows``: the blocks of each window the transfer leaves in, in order (None: one window).
     ``through_wire``: the senders get the ticket as another process would (msgpack of to_dict).
-    ``before_send``: called once the receivers hold the ticket, before any sender starts."""
+    ``before_send(ticket)``: called once the receivers hold the ticket, before any sender starts."""
     src, full = make_side(sender_tp, fill=True, seed=seed, shared=pulls(transport), **shape)
     dst, _ = make_side(receiver_tp, fill=False, **shape)
     receivers = [KVReceiver(dst.caches[r], dst.layouts[r], transport.name) for r in range(receiver_tp)]
@@ -132,7 +132,7 @@ def transfer(
         rx.expect(ticket)
     senders = [KVSender(src.layouts[s], "m", transport, integrity=integrity) for s in range(sender_tp)]
     if before_send is not None:
-        before_send()
+        before_send(ticket)
     sent_ticket = ticket
     if through_wire:
         wire = msgpack.packb(ticket.to_dict(), use_bin_type=True)

@@ -340,10 +340,10 @@ def _stalled_torch_sender(transport, endpoint, header, secret, nbytes, head_time
     """Sends a chunk's head and its K piece by hand, then stalls (V never comes). Returns the channel."""
     channel = transport.connect(endpoint)
     with channel._lock:
-        deadline = channel._ready(b"x", 10.0)
+        raw = encode_header(header, secret)
+        deadline = channel._ready(raw, 10.0)  # pairs: the hello carries this signed header
         pair = channel._pair
         view = memoryview(channel._head.numpy())
-        raw = encode_header(header, secret)
         torch_dist._HEAD.pack_into(view, 0, len(raw), nbytes, head_timeout_ms, 0, 2)
         view[torch_dist._HEAD.size : torch_dist._HEAD.size + len(raw)] = raw
         pair.send(channel._head, deadline, "head")

@@ -63,8 +63,9 @@ def test_store_and_gloo_listen_on_loopback_only(transports, monkeypatch):
     _, ticket, _ = _serve_one(transport)
     assert ticket.receiver_endpoints[0].startswith("torch://127.0.0.1:")
     channel = transport.connect(ticket.receiver_endpoints[0])
-    with pytest.raises(TransferRefused, match="malformed"):
-        channel.send(b"not a header", b"", 5)  # pairs up: the store and both gloo ends are live now
+    with contextlib.suppress(TransferRefused):  # an authentic header (its payload is refused): pairs up,
+        channel.send(_signed_header(ticket), b"", 5)  # so the store and both gloo ends are live now
+    assert channel._pair is not None
     new = {inode: address for inode, address in _listening_sockets().items() if inode not in before}
     assert len(new) >= 2, new  # the store and the gloo device
     assert set(new.values()) <= _LOOPBACK, new  # TCPStore alone would listen on every interface
@@ -87,14 +88,15 @@ def test_pairs_beyond_the_limit_are_refused(transports):
     transport = transports(max_pairs=1)
     _, ticket, _ = _serve_one(transport)
     first, second = (transport.connect(ticket.receiver_endpoints[0]) for _ in range(2))
-    with pytest.raises(TransferRefused, match="malformed"):
-        first.send(b"junk", b"", 5)
+    header = _signed_header(ticket)  # pairs (a ticket's), then its empty payload is refused
+    with pytest.raises(TransferRefused, match="bytes"):
+        first.send(header, b"", 5)
     with pytest.raises(ConnectionError, match="limit of 1 concurrent pairs"):
-        second.send(b"junk", b"", 5)
+        second.send(header, b"", 5)
     first.close()
     assert wait_until(lambda: transport.num_pairs() == 0)
-    with pytest.raises(TransferRefused, match="malformed"):  # a slot freed up
-        second.send(b"junk", b"", 5)
+    with pytest.raises(TransferRefused, match="bytes"):  # a slot freed up
+        second.send(header, b"", 5)
     second.close()
 
 
@@ -103,7 +105,7 @@ def test_oversized_payload_is_refused_and_the_pair_stays_usable(transports):
     receiver, ticket, _ = _serve_one(transport)
     channel = transport.connect(ticket.receiver_endpoints[0])
     with pytest.raises(TransferRefused, match="exceeds this receiver's limit of 64"):
-        channel.send(b"junk", b"x" * 65, 5)
+        channel.send(_signed_header(ticket), b"x" * 65, 5)
     with pytest.raises(TransferRefused, match="malformed"):  # the next chunk is read in step
         channel.send(b"junk", b"x" * 64, 5)
     assert transport.num_pairs() == 1
@@ -116,10 +118,11 @@ def test_idle_pairs_close_and_senders_pair_again(transports):
     _, ticket, _ = _serve_one(transport)
     channel = transport.connect(ticket.receiver_endpoints[0])
     with pytest.raises(TransferRefused):
-        channel.send(b"junk", b"", 5)
+        channel.send(_signed_header(ticket), b"", 5)
+    assert transport.num_pairs() == 1
     assert wait_until(lambda: transport.num_pairs() == 0, 3)  # the receiver closed the idle pair
-    with pytest.raises(TransferRefused, match="malformed"):  # the sender notices and pairs afresh
-        channel.send(b"junk", b"", 5)
+    with pytest.raises(TransferRefused, match="bytes"):  # the sender notices and pairs afresh
+        channel.send(_signed_header(ticket), b"", 5)
     assert transport.num_pairs() == 1
     channel.close()
 
@@ -177,14 +180,19 @@ def receiver_process():
 def test_stalled_receiver_times_out_instead_of_hanging(transports, receiver_process):
     proc, ticket = receiver_process
     channel = transports().connect(ticket.receiver_endpoints[0])
-    with pytest.raises(TransferRefused, match="malformed"):
-        channel.send(b"junk", b"x" * 1024, 5)  # paired
+    with pytest.raises(TransferRefused, match="bytes"):
+        channel.send(_signed_header(ticket), b"x" * 1024, 5)  # paired (its payload refused)
     os.kill(proc.pid, signal.SIGSTOP)  # alive but silent, like a wedged host
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        channel.send(b"junk", b"x" * (4 << 20), 1.0)
+        channel.send(_signed_header(ticket), b"x" * (4 << 20), 1.0)
     assert time.monotonic() - start < 3
     channel.close()
+    # A sender that pairs only now, with the receiver stopped, gives up within its deadline too.
+    start = time.monotonic()
+    with pytest.raises((TimeoutError, ConnectionError)):
+        transports().connect(ticket.receiver_endpoints[0]).send(_signed_header(ticket), b"x", 1.0)
+    assert time.monotonic() - start < 3
 
 
 @pytest.mark.slow
@@ -278,20 +286,52 @@ def _pair_by_hand(endpoint: str, hello: bytes) -> dict:
     return msgpack.unpackb(store.get(f"pair/{pair_id}/verdict"))
 
 
-def test_a_pair_asks_for_nccl_only_with_kv_on_gpus_at_both_ends_and_old_senders_still_pair(transports):
+def _signed_header(ticket, secret: bytes | None = None) -> bytes:
+    header = ChunkHeader(
+        kind="layer", request_id=ticket.request_id, sender_rank=0, sender_tp=1, receiver_rank=0,
+        layer=0, num_heads=2, num_blocks=ticket.num_blocks, nbytes=0,
+    )  # fmt: skip
+    return encode_header(header, secret or ticket.secret)
+
+
+def test_only_a_sender_holding_a_ticket_pairs_and_nccl_only_with_kv_on_gpus_at_both_ends(transports):
     import msgpack
 
-    dst, _ = make_side(1, fill=False)
-    endpoint = transports().serve(KVReceiver(dst.caches[0], dst.layouts[0], "torch"))
+    transport = transports()
+    receiver, ticket, _ = _serve_one(transport)
+    endpoint = ticket.receiver_endpoints[0]
+    header = _signed_header(ticket)
     # A sender whose KV is on a GPU, to a receiver whose cache is on the host: no NCCL.
-    verdict = _pair_by_hand(endpoint, msgpack.packb({"device": "cuda", "gpu": "GPU-x"}))
+    verdict = _pair_by_hand(endpoint, msgpack.packb({"device": "cuda", "gpu": "GPU-x", "header": header}))
     assert verdict["ok"] and verdict["device"] == "cpu" and verdict["nccl"] is False
-    # A sender from before the hello carried a device: the verdict it knows, no "nccl" key.
-    verdict = _pair_by_hand(endpoint, b"")
-    assert verdict["ok"] and verdict["device"] == "cpu" and "nccl" not in verdict
-    # A channel on the host pairs without NCCL and sends host pieces in place.
+    # No header, a forged one, another request's: no pair (7f34ac8 paired anyone who reached the store).
+    for hello in (b"", msgpack.packb({"device": "cpu"}), msgpack.packb({"header": _signed_header(ticket, b"x" * 32)})):
+        verdict = _pair_by_hand(endpoint, hello)
+        assert not verdict["ok"] and verdict["refused"], verdict
+    assert receiver.refusals["bad_signature"] == 1
+    # A channel on the host pairs without NCCL; a chunk it cannot sign never pairs.
     channel = transports().connect(endpoint)
     with pytest.raises(TransferRefused):
         channel.send(b"junk", b"x", 5)
-    assert channel._nccl is False and channel._receiver_device == "cpu"
+    assert channel._pair is None
     channel.close()
+
+
+def test_a_pair_counter_pushed_ahead_by_a_stranger_delays_pairing_by_one_deadline(transports):
+    """One unauthenticated write to the store (7f34ac8: it blocked every later pairing for good)."""
+    import torch.distributed as dist
+
+    def poison(ticket) -> None:
+        host, _, port = ticket.receiver_endpoints[0].removeprefix("torch://").rpartition(":")
+        stranger = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+        stranger.add("pairs/next", 10**6)
+
+    started = time.monotonic()
+    receivers, senders, ticket, full, dst, src_blocks = transfer(
+        transports(connect_timeout_s=4.0), 1, 1, before_send=poison
+    )
+    states = wait_terminal([lambda: receivers[0].poll("req-1"), lambda: senders[0].poll("req-1")])
+    assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
+    assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
+    assert time.monotonic() - started < 15.0  # about half a pairing deadline of stall, then found
+    senders[0].close()

@@ -74,7 +74,7 @@ def test_a_lease_is_a_duration_whatever_the_hosts_wall_clocks_say(transport, ske
     hour (ahead: a lease read as a time of day would be over before it began; behind: it would
     outlive its blocks) once the receiver made it: nothing changes."""
 
-    def skew_the_wall_clock() -> None:  # the transfer code's only: gRPC's own deadlines read it too
+    def skew_the_wall_clock(ticket) -> None:  # the transfer code's only: gRPC's own deadlines read it too
         skewed = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
         skewed.time = lambda: time.time() + skew_s
         for name, module in list(sys.modules.items()):
