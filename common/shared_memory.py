@@ -12,6 +12,7 @@ its peer read a tensor in place instead of copying it out first.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import itertools
 import mmap
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 _ids = itertools.count(1)
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; 0 elsewhere: pages come at first touch
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _lock = threading.Lock()
 _regions: dict[int, SharedRegion] = {}
 
@@ -38,9 +40,12 @@ def create_shared_region(nbytes: int, label: str = "pdserve-kv", populate: bool 
     ``populate``, its pages are allocated now instead of at first touch."""
     if nbytes < 1:
         raise ValueError(f"a shared region needs at least one byte, not {nbytes}")
-    fd = os.memfd_create(label, os.MFD_CLOEXEC)
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        # Its size is fixed for good: a peer that mapped it can never be made to read past its end
+        # (a region shrunk under a mapping raises SIGBUS in the reader, which kills the process).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS | fcntl.F_SEAL_SEAL)
         flags = mmap.MAP_SHARED | (MAP_POPULATE if populate else 0)
         buffer = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
@@ -75,7 +80,15 @@ def close_shared_region(region: SharedRegion) -> None:
 
 
 def map_shared_region(fd: int, nbytes: int) -> mmap.mmap:
-    """Map a peer's region read-only: this side can read the peer's memory, never write it."""
+    """Map a peer's region read-only: this side can read the peer's memory, never write it. Only a
+    region sealed against shrinking is mapped: the peer could otherwise truncate it under this
+    mapping, and the next read here would kill this process (SIGBUS)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd, or one made without sealing
+    if seals & _SIZE_SEALS != _SIZE_SEALS:
+        raise ValueError("the shared region's size is not sealed: its owner could shrink it under this mapping")
     size = os.fstat(fd).st_size
     if nbytes > size:
         raise ValueError(f"the shared region holds {size} bytes, not the {nbytes} announced")

@@ -73,6 +73,29 @@ def test_a_peer_maps_the_region_read_only():
         close_shared_region(region)
 
 
+def test_a_region_can_never_shrink_under_a_peer_and_an_unsealed_one_is_not_mapped():
+    """7f34ac8: a sender could ftruncate its memfd under the receiver's mapping, and the
+    receiver's next read of it raised SIGBUS (the whole decode replica died)."""
+    import os
+
+    region = create_shared_region(8192)
+    try:
+        peer = map_shared_region(region.fd, 8192)
+        for size in (0, 4096, 16384):
+            with pytest.raises(PermissionError):
+                os.ftruncate(region.fd, size)
+        assert bytes(peer[-4:]) == b"\0" * 4  # still readable to its end
+    finally:
+        close_shared_region(region)
+    unsealed = os.memfd_create("stranger", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(unsealed, 8192)
+        with pytest.raises(ValueError, match="not sealed"):
+            map_shared_region(unsealed, 8192)
+    finally:
+        os.close(unsealed)
+
+
 def test_the_descriptor_a_receiver_gets_is_read_only(transport):
     # What _share sends: a read-only reopen of the region, which cannot be mapped writable or resized.
     region = create_shared_region(4096)
