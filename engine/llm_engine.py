@@ -227,12 +227,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
-        if any(r.request_id == request_id for r in self._deferred):
-            # Its last token's output goes out before the ending one (overlap_outputs).
-            request = next(r for r in self._deferred if r.request_id == request_id)
-            self._deferred.remove(request)
-            if request_id in self.outputs.states and not request.is_finished:
-                self._outputs_outside_step.append(self._emit_new_tokens(request))
+        deferred = next((r for r in self._deferred if r.request_id == request_id), None)
+        if deferred is not None:  # its last token's output goes out before the ending one
+            self._deferred.remove(deferred)
+            self._emit_if_live(deferred)
         if self.handoff is not None and request_id in self.handoff.tickets:
             self.handoff.drop(request_id)  # aborted before its prompt was done: nothing was sent
         if self.handoff is not None and request_id in self.handoff.pushing:
@@ -338,8 +336,11 @@ class LLMEngine:
         the order of outputs made outside a step: ahead of anything else the next step returns."""
         deferred, self._deferred = self._deferred, []
         for request in deferred:
-            if request.request_id in self.outputs.states and not request.is_finished:
-                self._outputs_outside_step.append(self._emit_new_tokens(request))
+            self._emit_if_live(request)
+
+    def _emit_if_live(self, request: Request) -> None:
+        if request.request_id in self.outputs.states and not request.is_finished:
+            self._outputs_outside_step.append(self._emit_new_tokens(request))
 
     def _sampling_rows(self, sampled_ids: list[str]) -> list[SamplingRequestState]:
         rows = []
