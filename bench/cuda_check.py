@@ -113,6 +113,7 @@ def check_oracle(
                 "backend": runner.attention_backend,
                 "graph replays": runner.num_graph_replays,
                 "overlap outputs": llm.engine.overlap_outputs,
+                "steps ahead": llm.engine.num_steps_ahead,
             }
             rows = [{**r, **ran_as} if r["path"] == path else r for r in rows]
     return rows

@@ -88,11 +88,13 @@ def oracle(tiny: Path, smol: Path, device: torch.device, long_tokens: int) -> li
 
 
 def ran_as_named(row: dict) -> bool:
-    """The engine ran the path the row names: its attention backend, and decode steps replayed as
-    graphs on the graphs path only (a failed Triton self-check or capture falls back quietly)."""
+    """The engine ran the path the row names: its attention backend, decode steps replayed as
+    graphs on the graphs path only (a failed Triton self-check or capture falls back quietly), and
+    steps queued ahead of their reads on every path (async scheduling, CUDA's default)."""
     backend = "torch" if row["path"].startswith("torch") else "triton"
     graphs = row["path"].endswith("graphs")
-    return row.get("backend") == backend and (row.get("graph replays", 0) > 0) == graphs
+    ran_ahead = row.get("steps ahead", 0) > 0
+    return row.get("backend") == backend and (row.get("graph replays", 0) > 0) == graphs and ran_ahead
 
 
 def bf16_agreement(smol: Path, device: torch.device) -> list[dict]:

@@ -69,6 +69,9 @@ class PoolConfig:
     # Make a step's outputs while the device runs the next step (SchedulerConfig.overlap_outputs).
     # None: on CUDA, off on CPU.
     overlap_outputs: bool | None = None
+    # Schedule the next step before this one's ids are read (SchedulerConfig.async_scheduling).
+    # None: on CUDA with one shard, off on CPU.
+    async_scheduling: bool | None = None
     # Ray custom resources each shard's placement-group bundle asks for besides its CPUs, e.g.
     # {"prefill_node": 1} to keep the pool on the nodes started with that resource (`ray start
     # --resources`): how pools are spread over the nodes of a multi-node cluster.
@@ -113,6 +116,7 @@ class PoolConfig:
             max_num_waiting=self.max_num_waiting,
             max_decode_stall_s=self.max_decode_stall_s,
             overlap_outputs=self.overlap_outputs,
+            async_scheduling=self.async_scheduling,
         )
 
 

@@ -103,6 +103,13 @@ class SchedulerConfig:
     # then has one more token computed and dropped. None: on where the device runs asynchronously
     # (CUDA), off on CPU (its kernels return when done: nothing to overlap).
     overlap_outputs: bool | None = None
+    # Schedule and queue the next step before this one's sampled ids are read (vLLM's async
+    # scheduling): its decodes take their input ids from the device, so the device never waits
+    # for the host between steps. A request that stops on EOS or a stop string has one more
+    # token computed and dropped; requests with penalties (which read their tokens on the host)
+    # and steps that would need a preemption run in step. One shard, colocated and decode roles
+    # only. None: on CUDA, off on CPU (nothing to overlap).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", EngineRole(self.role))

@@ -155,6 +155,8 @@ class ReplicaReport:
     num_prefills_expired: int = 0  # prefill: prompts dropped uncomputed, their KV lease run out
     num_kv_pushes_cancelled: int = 0  # prefill: KV pushes cut off mid-prompt (request aborted or preempted)
     num_kv_transfer_failures: int = 0
+    num_steps: int = 0  # forward passes run
+    num_steps_ahead: int = 0  # of those, queued before the one before them was read (async scheduling)
 
     @property
     def kv_usage(self) -> float:

@@ -471,6 +471,8 @@ def load_report(engine: LLMEngine) -> dict[str, Any]:
         "num_prefills_expired": engine.num_prefills_expired,
         "num_kv_pushes_cancelled": engine.num_kv_pushes_cancelled,
         "num_kv_transfer_failures": engine.num_kv_transfer_failures,
+        "num_steps": engine.num_steps,
+        "num_steps_ahead": engine.num_steps_ahead,
         "num_prefill_tokens_queued": engine.scheduler.num_prefill_tokens_queued(),
         "prefill_tokens_per_s": engine.prefill_tokens_per_s,
     }

@@ -153,9 +153,10 @@ class DecodeGraphs:
         )
         return report
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
+    def run(self, batch: DecodeBatch, carried: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden states [n, hidden] of the batch's n decodes, through its bucket's graph; valid
-        until the next ``run``."""
+        until the next ``run``. ``carried``: (rows, ids) on the device, written over the input
+        ids the host did not know (async scheduling)."""
         n = len(batch.input_ids)
         size = bucket_for(self.sizes, n)
         assert size is not None and self.fits(batch), f"a batch of {n} has no graph"
@@ -172,6 +173,8 @@ class DecodeGraphs:
         seqs[: n * self.max_blocks] = padded_tables(batch.block_tables, self.max_blocks).view(-1)
         seqs[size * self.max_blocks : size * self.max_blocks + n] = torch.tensor(batch.seq_lens, dtype=torch.int32)
         self.token_inputs[:, :size].copy_(self._upload_tokens(tokens))
+        if carried is not None:
+            self.token_inputs[0].index_copy_(0, *carried)
         seqs = self._upload_seqs(seqs)
         self.block_tables[:size].view(-1).copy_(seqs[: size * self.max_blocks])
         self.seq_lens[:size].copy_(seqs[size * self.max_blocks :])

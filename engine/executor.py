@@ -32,7 +32,7 @@ from common.kv_messages import ConnectorStep, ShardReport
 from engine.distributed.parallel import TensorParallel, pick_device, shard_device
 from engine.dtype_probe import resolve_auto_dtype
 from engine.model_runner import ModelRunner, check_model
-from engine.step_input import StepInput
+from engine.step_input import CarriedTokens, StepInput
 
 logger = logging.getLogger(__name__)
 # How long shutdown lets a step's thread leave its collective once the shards are gone.
@@ -304,14 +304,18 @@ class Executor:
             raise
         self._closed = False
 
-    def execute(self, step: StepInput, connector_step: ConnectorStep | None = None) -> torch.Tensor | None:
-        """The forward pass on every shard. With a connector, ``finish_step`` must follow."""
+    def execute(
+        self, step: StepInput, connector_step: ConnectorStep | None = None, carried: CarriedTokens | None = None
+    ) -> torch.Tensor | None:
+        """The forward pass on every shard. With a connector, ``finish_step`` must follow.
+        ``carried`` (input ids still on the driver's device) needs a single shard."""
+        assert carried is None or self.world_size == 1, "a step ahead runs on one shard only"
         with self._guard():
             if self.world_size > 1:
                 plan = connector_step.to_wire() if connector_step is not None else None
                 message = {"op": "step", "step": step.to_dict(), "connector": plan}
                 self.tp.broadcast_bytes(msgpack.packb(message, use_bin_type=True))
-            return self.driver.execute(step, connector_step)
+            return self.driver.execute(step, connector_step, carried)
 
     def connector_step(self, plan: ConnectorStep) -> None:
         """A step without a forward pass, to register or forget transfers and poll progress."""

@@ -34,6 +34,7 @@ class LLM:
         max_num_waiting: int = 4096,
         max_decode_stall_s: float | None = None,
         overlap_outputs: bool | None = None,
+        async_scheduling: bool | None = None,
         cache_dir: str | None = None,
         compile: bool = True,
         enforce_eager: bool = False,
@@ -60,6 +61,7 @@ class LLM:
                 max_num_waiting=max_num_waiting,
                 max_decode_stall_s=max_decode_stall_s,
                 overlap_outputs=overlap_outputs,
+                async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )

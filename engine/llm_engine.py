@@ -31,12 +31,23 @@ from engine.kv_handoff import KVHandoff, SentKV
 from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, SamplingRequestState, make_generator
+from engine.sampler import PendingSample, Sampler, SamplingRequestState, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.step_input import StepInput, build_step_input
+from engine.step_input import build_step_input, carried_tokens
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _LaunchedStep:
+    """A step whose kernels are queued on the device, its sampled ids not yet read."""
+
+    scheduled: SchedulerOutput
+    sampled_ids: list[str]  # the request of each sampled row, row order
+    pending: PendingSample | None  # None: the step samples nothing
+    started: float  # when it was queued (time.monotonic)
+    done: torch.cuda.Event | None  # recorded after it on CUDA when no read waits for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,11 @@ class LLMEngine:
         self.overlap_outputs = self._device.type == "cuda" if overlap is None else overlap
         # Requests that got a token last step, their outputs not yet made (overlap_outputs).
         self._deferred: list[Request] = []
+        self.async_scheduling = self._resolve_async_scheduling(config)
+        self._in_flight: _LaunchedStep | None = None  # scheduled ahead, queued on the device
+        self._device_free_at = 0.0  # when the last step read back ended (time.monotonic)
+        self.num_steps = 0  # forward passes launched
+        self.num_steps_ahead = 0  # of those, scheduled and queued before the one before them was read
         every_chunk = config.kv_connector.push_every_chunk
         if every_chunk is None:
             every_chunk = pick_device(config.model.device).type == "cuda"
@@ -106,6 +122,18 @@ class LLMEngine:
         self.decode_step_s = 0.0  # a step with no prompt tokens (moving average); 0 until one ran
         self.num_steps_out_of_memory = 0  # steps whose requests ended for want of device memory
         self.num_kv_transfer_failures = 0
+
+    def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
+        """On where it applies: one shard (a step ahead takes its input ids from the driver's
+        device, which other shards do not share) and not a prefill replica (each of its requests
+        ends at its first token: nothing to decode ahead). None: on CUDA only."""
+        wanted = config.scheduler.async_scheduling
+        if wanted is None:
+            wanted = self._device.type == "cuda"
+        applies = self.executor.world_size == 1 and config.scheduler.role is not EngineRole.PREFILL
+        if wanted and not applies and config.scheduler.async_scheduling:
+            logger.info("async scheduling is off: it needs one shard and a colocated or decode role")
+        return wanted and applies
 
     @property
     def kv_caches(self):
@@ -278,48 +306,51 @@ class LLMEngine:
         results: list[RequestOutput] = []
         if self.handoff is not None and (self.handoff.tickets or self.handoff.push_leases):
             self._drop_expired_prefills()
-        scheduled = self.scheduler.schedule(self.prompt_token_cap())
-        self.num_preemptions += len(scheduled.preempted_request_ids)
-        if self.handoff is not None and self.handoff.pushing:
-            self._end_preempted_pushes(scheduled.preempted_request_ids)
-        plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
-        if scheduled.is_empty:
-            self._emit_deferred()
-            if self.handoff is not None and plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
-                self.executor.connector_step(plan)
-                self._apply_handoff(self.executor.finish_step(None))
-            return self._take_outputs_outside_step()
-        now = started = time.monotonic()
-        self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], now)
-        step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            scheduled = self.scheduler.schedule(self.prompt_token_cap())
+            self.num_preemptions += len(scheduled.preempted_request_ids)
+            if self.handoff is not None and self.handoff.pushing:
+                self._end_preempted_pushes(scheduled.preempted_request_ids)
+            plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
+            if scheduled.is_empty:
+                self._emit_deferred()
+                if self.handoff is not None and plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
+                    self.executor.connector_step(plan)
+                    self._apply_handoff(self.executor.finish_step(None))
+                return self._take_outputs_outside_step()
+            try:
+                launched = self._launch(scheduled, plan)
+            except torch.OutOfMemoryError as exc:
+                return self._step_out_of_memory(scheduled, exc)
+        ahead_failed: tuple[SchedulerOutput, torch.OutOfMemoryError] | None = None
         try:
-            logits = self.executor.execute(step_input, plan)
-            pending = None
-            if sampled_ids:
-                assert logits is not None
-                pending = self.sampler.launch(logits, self._sampling_rows(sampled_ids))
             # The device runs this step's kernels (queued, not yet read): the host makes the last
-            # step's outputs meanwhile. A stop string found there ends its request now; the token
-            # this step computes for it is dropped (update_from_output skips ended requests).
+            # step's outputs meanwhile, and schedules and queues the next step where it may. A stop
+            # string found there ends its request now; the token this step computes for it is
+            # dropped (update_from_output skips ended requests).
             self._emit_deferred()
-            result = pending.read() if pending is not None else None
+            if self._may_look_ahead(launched):
+                self._in_flight, ahead_failed = self._look_ahead(launched)
+            result = launched.pending.read() if launched.pending is not None else None
         except torch.OutOfMemoryError as exc:
-            if self.executor.world_size > 1:
-                # The other shards may be inside this step's collectives, or waiting for its end
-                # (the sampler runs outside the executor's guard): the instance is done.
-                self.executor.mark_broken()
-                raise
-            return self._fail_step_out_of_memory(scheduled, step_input, exc)
+            self.scheduler.drop_placeholders(launched.scheduled)
+            return self._step_out_of_memory(launched.scheduled, exc)
         sampled: dict[str, int] = {}
         if result is not None:
-            picks = zip(sampled_ids, result.sampled_token_ids, result.logprobs, strict=True)
+            picks = zip(launched.sampled_ids, result.sampled_token_ids, result.logprobs, strict=True)
             for request_id, token_id, logprob in picks:
                 sampled[request_id] = token_id
                 self.outputs.record_logprob(request_id, logprob)
-        self._record_prefill_steps(scheduled, started, self._step_ended(bool(sampled_ids)))
+        # A step queued behind another starts on the device when that one ends.
+        started = max(launched.started, self._device_free_at)
+        self._device_free_at = ended = self._step_ended(launched)
+        self._record_prefill_steps(launched.scheduled, started, ended)
         reports = self.executor.finish_step(sampled) if self.handoff is not None else None
-        for request in self.scheduler.update_from_output(scheduled, sampled):
-            if self.overlap_outputs and request.status is RequestStatus.RUNNING:
+        # With the next step already queued, outputs are made now, while it runs.
+        defer = self.overlap_outputs and self._in_flight is None
+        for request in self.scheduler.update_from_output(launched.scheduled, sampled):
+            if defer and request.status is RequestStatus.RUNNING:
                 self._deferred.append(request)  # made while the next step runs
                 continue
             output = self._emit_new_tokens(request)
@@ -329,7 +360,65 @@ class LLMEngine:
         if reports is not None:
             self._apply_handoff(reports)
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
-        return self._take_outputs_outside_step() + results
+        results = self._take_outputs_outside_step() + results
+        if ahead_failed is not None:  # its requests end after the tokens this step gave them
+            results += self._step_out_of_memory(*ahead_failed)
+        return results
+
+    def _launch(
+        self, scheduled: SchedulerOutput, plan: ConnectorStep | None, previous: _LaunchedStep | None = None
+    ) -> _LaunchedStep:
+        """Queue a step's forward pass and sampling on the device; nothing is read back.
+        ``previous``: the step still on the device whose sampled ids this one's placeholders take."""
+        started = time.monotonic()
+        self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], started)
+        step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
+        carried = None
+        if previous is not None and previous.pending is not None and previous.pending.sampled is not None:
+            carried = carried_tokens(step_input, sampled_ids, previous.sampled_ids, previous.pending.sampled)
+        logits = self.executor.execute(step_input, plan, carried)
+        self.num_steps += 1
+        pending = None
+        if sampled_ids:
+            assert logits is not None
+            pending = self.sampler.launch(logits, self._sampling_rows(sampled_ids))
+        done = None
+        if pending is None and self._device.type == "cuda":
+            # Nothing read back will wait for this step: an event marks its end (see _step_ended).
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self._device))
+        return _LaunchedStep(scheduled, sampled_ids, pending, started, done)
+
+    def _may_look_ahead(self, launched: _LaunchedStep) -> bool:
+        """Whether the next step can be scheduled before this one's sampled ids are read: not
+        right after a step scheduled ahead ran out of blocks (the next one preempts), and not when
+        a sampled request's next logits need its tokens' values (penalties read them on the host)."""
+        if not self.async_scheduling:
+            return False
+        if launched.scheduled.blocked:
+            return False
+        rows = launched.pending.rows if launched.pending is not None else ()
+        return not any(row.params.needs_penalties for row in rows)
+
+    def _look_ahead(
+        self, launched: _LaunchedStep
+    ) -> tuple[_LaunchedStep | None, tuple[SchedulerOutput, torch.OutOfMemoryError] | None]:
+        """Async scheduling: count ``launched``'s tokens as placeholders, schedule the next step
+        without preempting (a preempted request would lose its unread token) and queue it behind
+        ``launched``, its decodes' input ids taken from ``launched``'s samples on the device.
+        Returns the step queued (None: nothing to run) or the step that ran out of memory."""
+        ending = self.scheduler.advance(launched.scheduled)
+        scheduled = self.scheduler.schedule(self.prompt_token_cap(), may_preempt=False, skip=ending)
+        if scheduled.is_empty:
+            return None, None
+        plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
+        assert plan is None or not plan.pushes, "a prefill replica schedules no step ahead"
+        try:
+            ahead = self._launch(scheduled, plan, previous=launched)
+        except torch.OutOfMemoryError as exc:
+            return None, (scheduled, exc)
+        self.num_steps_ahead += 1
+        return ahead, None
 
     def _emit_deferred(self) -> None:
         """The outputs of the requests whose tokens the last step left unmade (overlap_outputs), in
@@ -354,15 +443,19 @@ class LLMEngine:
             )
         return rows
 
-    def _fail_step_out_of_memory(
-        self, scheduled: SchedulerOutput, step_input: StepInput, exc: torch.OutOfMemoryError
-    ) -> list[RequestOutput]:
+    def _step_out_of_memory(self, scheduled: SchedulerOutput, exc: torch.OutOfMemoryError) -> list[RequestOutput]:
         """A step that ran out of device memory ends its own requests with the error, nothing else:
         the engine (one shard: no peer is left inside a collective) frees the allocator's cache and
         serves on. Pushes the step had under way are cut off before the step ends, so no "done"
         follows layers it may have pushed (all of them, if it failed after the last layer)."""
+        if self.executor.world_size > 1:
+            # The other shards may be inside this step's collectives, or waiting for its end (the
+            # sampler runs outside the executor's guard): the instance is done.
+            self.executor.mark_broken()
+            raise exc
         self.num_steps_out_of_memory += 1
-        logger.warning("a step of %d tokens ran out of memory: its requests end: %s", len(step_input.input_ids), exc)
+        num_tokens = scheduled.num_batched_tokens
+        logger.warning("a step of %d tokens ran out of memory: its requests end: %s", num_tokens, exc)
         request_ids = list(dict.fromkeys(chunk.request_id for chunk in scheduled.chunks))
         abandoned = [rid for rid in request_ids if self.handoff is not None and self.handoff.abandon(rid)]
         if self.handoff is not None:
@@ -372,8 +465,7 @@ class LLMEngine:
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         error = (
-            f"out of memory computing a step of {len(step_input.input_ids)} tokens on {self._device}; "
-            "retry, or send a shorter prompt"
+            f"out of memory computing a step of {num_tokens} tokens on {self._device}; retry, or send a shorter prompt"
         )
         for request_id in request_ids:
             if request_id in abandoned:
@@ -418,16 +510,15 @@ class LLMEngine:
             return None
         return max(MIN_STALL_CHUNK_TOKENS, int(self.prefill_tokens_per_s * stall_s))
 
-    def _step_ended(self, synced: bool) -> float:
+    def _step_ended(self, launched: _LaunchedStep) -> float:
         """When the step's device work ended. On CUDA the forward pass returns once its kernels are
         queued: unless sampling read the sampled ids back (which waits for them), the step's end is
-        an event recorded after it and waited for (that event alone, not the whole device), or a
-        prompt-only step would time its launches and the prefill rate that routing, conditional
-        disaggregation and the planner read would be far too high."""
-        if not synced and self._device.type == "cuda":
-            ended = torch.cuda.Event()
-            ended.record(torch.cuda.current_stream(self._device))
-            ended.synchronize()
+        an event recorded after it and waited for (that event alone, not the whole device, which
+        may run the next step already), or a prompt-only step would time its launches and the
+        prefill rate that routing, conditional disaggregation and the planner read would be far
+        too high."""
+        if launched.done is not None:
+            launched.done.synchronize()
         return time.monotonic()
 
     def _record_prefill_steps(self, scheduled: SchedulerOutput, started: float, ended: float) -> None:
@@ -523,6 +614,7 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or bool(self._outputs_outside_step)
             or bool(self._deferred)
+            or self._in_flight is not None
             or (self.handoff is not None and self.handoff.busy)
         )
 

@@ -27,7 +27,7 @@ from engine.layers.linear import cpu_packing_available, pack_linear_weights
 from engine.models import check_tp_degree, resolve_architecture
 from engine.models.llama import LlamaForCausalLM, LlamaShape
 from engine.pinned_upload import PinnedUpload
-from engine.step_input import StepInput
+from engine.step_input import CarriedTokens, StepInput
 from engine.weights import iter_safetensors, read_config
 
 logger = logging.getLogger(__name__)
@@ -166,6 +166,8 @@ class ModelRunner:
             )
             self.model.model.layer_hook = self.connector.after_layer
         self._upload = PinnedUpload(self.device, torch.long)
+        # Its own buffers: a third upload a step into _upload's two would wait for the step before.
+        self._upload_carried = PinnedUpload(self.device, torch.long)
         self.graphs: DecodeGraphs | None = None
         self.graph_capture: CaptureReport | None = None
         self.num_graph_replays = 0  # decode steps replayed (the GPU check asserts the graphs ran)
@@ -283,17 +285,29 @@ class ModelRunner:
             return False
         return self.graphs.fits(_decode_batch(step))
 
+    def _carried(self, carried: CarriedTokens | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input positions, token ids) on the device for the ids the host has not read."""
+        if carried is None:
+            return None
+        n = len(carried.input_index)
+        both = self._upload_carried(torch.tensor(carried.input_index + carried.sampled_rows, dtype=torch.long))
+        return both[:n], carried.sampled.index_select(0, both[n:])
+
     @torch.inference_mode()
-    def execute(self, step: StepInput, connector_step: ConnectorStep | None = None) -> torch.Tensor | None:
-        """Run one step on this shard; every shard must call it with the same input.
+    def execute(
+        self, step: StepInput, connector_step: ConnectorStep | None = None, carried: CarriedTokens | None = None
+    ) -> torch.Tensor | None:
+        """Run one step on this shard; every shard must call it with the same input. ``carried``:
+        input ids still on the device (async scheduling, one shard only).
 
         Returns the sampled rows' logits [rows, vocab] in float32 on the driver, None elsewhere.
         """
         if self.connector is not None:
             self.connector.start_step(connector_step or ConnectorStep())
+        device_ids = self._carried(carried)
         if self._replays(step, connector_step):
             assert self.graphs is not None
-            hidden = self.graphs.run(_decode_batch(step))
+            hidden = self.graphs.run(_decode_batch(step), device_ids)
             self.num_graph_replays += 1
             indices = step.logits_indices
             if not indices:
@@ -305,6 +319,8 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             return logits.float() if logits is not None else None
         tensors = self._tensors(step)
+        if device_ids is not None:
+            tensors.input_ids.index_copy_(0, *device_ids)
         meta = self.backend.build_metadata(tensors, self.layout.block_size)
         hidden = self.model(tensors.input_ids, tensors.positions, self.kv_caches, meta)
         if not step.logits_indices:

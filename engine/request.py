@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams
 
+# The value of a token the device sampled and the host has not read yet (async scheduling): the
+# last token of a request holds it from the step that computes it ahead until that step is read.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -64,6 +68,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    has_placeholder: bool = False  # the last token is PLACEHOLDER_TOKEN
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -88,6 +93,27 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """A token sampled on the device, counted now and filled in when it is read."""
+        self.append_output_token(PLACEHOLDER_TOKEN)
+        self.has_placeholder = True
+
+    def fill_placeholder(self, token_id: int) -> None:
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+        self.has_placeholder = False
+
+    def drop_placeholder(self) -> None:
+        """The step that sampled it failed or its request ended: the token never was."""
+        if self.has_placeholder:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()
+            self.has_placeholder = False
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - self.has_placeholder
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions (stop strings are the output processor's job)."""

@@ -22,7 +22,7 @@ Roles change admission, not the data model:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from common.config import EngineRole, SchedulerConfig
@@ -45,6 +45,11 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # A step scheduled ahead (may_preempt=False) left a running request out for want of blocks:
+    # the step after it must be scheduled with preemption.
+    blocked: bool = False
+    # ``advance`` counted the step's tokens before its sampled ids were read (async scheduling).
+    advanced: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,15 +109,25 @@ class Scheduler:
         return request
 
     # --- the step --------------------------------------------------------------------------
-    def schedule(self, prompt_token_cap: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self, prompt_token_cap: int | None = None, *, may_preempt: bool = True, skip: Collection[str] = ()
+    ) -> SchedulerOutput:
         """The step's chunks. ``prompt_token_cap``: the most prompt tokens the step computes when it
-        also runs decoding requests (None: no cap beyond the token budget)."""
+        also runs decoding requests (None: no cap beyond the token budget).
+
+        A step scheduled ahead of the one still on the device (async scheduling) passes
+        ``may_preempt=False``: a request preempted then would lose a token not yet read, so a
+        running request without room waits, and the output says ``blocked``. ``skip``: running
+        requests that sit this step out (the step on the device samples their last token)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget if prompt_token_cap is None or not self.num_decoding() else max(1, prompt_token_cap)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.request_id in skip:
+                index += 1
+                continue
             num_new = self._num_new_tokens(request, budget)
             if _in_prompt(request):
                 num_new = min(num_new, prompt_budget)
@@ -120,6 +135,9 @@ class Scheduler:
                     index += 1
                     continue
                 prompt_budget -= num_new
+            if not may_preempt and self.kv.allocate_slots(request, num_new) is None:
+                out.blocked = True
+                break
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -137,6 +155,7 @@ class Scheduler:
         index = 0  # waiting requests before it are held back by the prompt cap
         while (
             not out.preempted_request_ids
+            and not out.blocked
             and index < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -180,18 +199,53 @@ class Scheduler:
         out.preempted_request_ids.extend(evicted)
         return out
 
+    def advance(self, out: SchedulerOutput) -> set[str]:
+        """Async scheduling: count a launched step's tokens before its sampled ids are read, so the
+        next step can be scheduled now. Each sampled request gets a placeholder for its new token
+        (filled by ``update_from_output``). Returns the requests that this token ends by length:
+        the next step skips them."""
+        ending = set()
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_computed_blocks(request)  # before the placeholder: it is never hashed
+            if not chunk.samples:
+                continue
+            request.append_placeholder()
+            max_tokens = request.sampling_params.max_tokens
+            if request.num_output_tokens >= max_tokens or request.num_tokens >= self.max_model_len:
+                ending.add(request.request_id)
+        out.advanced = True
+        return ending
+
+    def drop_placeholders(self, out: SchedulerOutput) -> None:
+        """The advanced step failed before its ids were read: its sampled tokens never were."""
+        if out.advanced:
+            for chunk in out.chunks:
+                request = self.requests.get(chunk.request_id)
+                if request is not None and chunk.samples:
+                    request.drop_placeholder()
+
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests by the step's result; returns the requests that got a token."""
         updated = []
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
+                if request is not None and out.advanced and chunk.samples:
+                    request.drop_placeholder()  # ended (aborted) after the advance
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_computed_blocks(request)
+            if not out.advanced:
+                request.num_computed_tokens += len(chunk.token_ids)
+                self.kv.cache_computed_blocks(request)
             if not chunk.samples:
                 continue
-            request.append_output_token(sampled_token_ids[chunk.request_id])
+            if out.advanced:
+                request.fill_placeholder(sampled_token_ids[chunk.request_id])
+            else:
+                request.append_output_token(sampled_token_ids[chunk.request_id])
             stop = request.check_stop(self.max_model_len)
             if self.role is EngineRole.PREFILL:
                 # Always hand off, even when the first token already ends the request: its KV may be

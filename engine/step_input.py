@@ -6,8 +6,13 @@ Built once per step from the scheduler's chunks, decodes first (see engine.atten
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
+from engine.request import PLACEHOLDER_TOKEN
 from engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -48,3 +53,28 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, 
             step.logits_indices.append(len(step.input_ids) - 1)
             sampled_ids.append(chunk.request_id)
     return step, sampled_ids
+
+
+@dataclass(slots=True)
+class CarriedTokens:
+    """Input tokens a step takes from the previous step's sampled ids on the device (async
+    scheduling: the host has not read them). ``input_index[i]`` of the step's input ids gets row
+    ``sampled_rows[i]`` of ``sampled``. Driver only: tensor parallelism runs no step ahead."""
+
+    input_index: list[int]
+    sampled_rows: list[int]
+    sampled: torch.Tensor
+
+
+def carried_tokens(
+    step: StepInput, step_sampled_ids: list[str], previous_sampled_ids: list[str], previous: torch.Tensor
+) -> CarriedTokens | None:
+    """Where ``step`` holds placeholders: each is a decode's one token, so a sampled row's own
+    position, and its value is the previous step's sample for the same request."""
+    row_of = {request_id: row for row, request_id in enumerate(previous_sampled_ids)}
+    index, rows = [], []
+    for request_id, position in zip(step_sampled_ids, step.logits_indices, strict=True):
+        if step.input_ids[position] == PLACEHOLDER_TOKEN:
+            index.append(position)
+            rows.append(row_of[request_id])
+    return CarriedTokens(index, rows, previous) if index else None

@@ -265,6 +265,12 @@ _REPLICA_COUNTERS = (
     ("pdserve:prefills_expired", "num_prefills_expired", "Prompts a prefill replica dropped uncomputed: lease over."),
     ("pdserve:kv_pushes_cancelled", "num_kv_pushes_cancelled", "KV pushes cut off mid-prompt: aborted, preempted."),
     ("pdserve:kv_transfer_failures", "num_kv_transfer_failures", "KV hand-offs that failed, for any reason."),
+    ("pdserve:engine_steps", "num_steps", "Forward passes the replica ran."),
+    (
+        "pdserve:engine_steps_ahead",
+        "num_steps_ahead",
+        "Of those, queued before the step before them was read (async scheduling; near all on a busy GPU).",
+    ),
 )
 
 

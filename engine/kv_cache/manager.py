@@ -37,6 +37,9 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request) -> None:
         if self.pool.enable_prefix_caching:
+            # A placeholder's value is unknown (async scheduling): a block hashed with it would
+            # never be hit, nor would any block after it.
+            assert not request.has_placeholder, f"{request.request_id}: hashed with a placeholder"
             request.block_hashes = hash_full_blocks(
                 request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes
             )

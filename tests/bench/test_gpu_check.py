@@ -56,10 +56,14 @@ def test_the_disagg_check_passes_on_cpu_over_the_transports_and_runs_without_ray
 
 
 def test_an_oracle_row_fails_when_the_engine_fell_back_from_the_path_it_names():
-    row = {"equal": True, "backend": "triton", "graph replays": 40}
+    row = {"equal": True, "backend": "triton", "graph replays": 40, "steps ahead": 30}
     assert gpu_check.ran_as_named({**row, "path": "triton graphs"})
+    assert not gpu_check.ran_as_named({**row, "path": "triton graphs", "steps ahead": 0})  # ran in step
     assert not gpu_check.ran_as_named({**row, "path": "triton graphs", "graph replays": 0})  # capture failed
     assert not gpu_check.ran_as_named({**row, "path": "triton graphs", "backend": "torch"})  # self-check failed
     assert not gpu_check.ran_as_named({**row, "path": "triton eager"})  # enforce_eager ignored
     assert gpu_check.ran_as_named({**row, "path": "torch eager", "backend": "torch", "graph replays": 0})
+    assert not gpu_check.ran_as_named(
+        {**row, "path": "torch eager", "backend": "torch", "graph replays": 0, "steps ahead": 0}
+    )
     assert set(gpu_check.PATHS) == {"torch eager", "triton eager", "triton graphs"}

@@ -80,9 +80,9 @@ def test_every_step_kind_agrees_with_the_module_path(biased_dir, monkeypatch, pr
     try:
         record = engine.executor.driver.execute
 
-        def recording(step, meta=None):
+        def recording(step, meta=None, carried=None):
             steps.append(step)
-            return record(step, meta)
+            return record(step, meta, carried)
 
         engine.executor.driver.execute = recording
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

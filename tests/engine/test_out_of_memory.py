@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import cuda_check
-from common.config import CacheConfig, EngineConfig, EngineRole, ModelConfig
+from common.config import CacheConfig, EngineConfig, EngineRole, ModelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -63,8 +63,17 @@ def _oom_in_a_step_longer_than(engine: LLMEngine, tokens: int, after_layer: int 
     model.layer_hook = hook
 
 
-def test_the_steps_requests_end_with_the_error_and_the_engine_serves_on(tiny_dir):
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir)), cache=CacheConfig(kv_cache_memory=8 << 20)))
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "scheduled-ahead"])
+def test_the_steps_requests_end_with_the_error_and_the_engine_serves_on(tiny_dir, ahead):
+    """Scheduled ahead (async scheduling), the step that runs out of memory is queued while the one
+    before it is unread: that one's tokens go out, then the failed step's requests end."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_dir)),
+            cache=CacheConfig(kv_cache_memory=8 << 20),
+            scheduler=SchedulerConfig(async_scheduling=ahead),
+        )
+    )
     try:
         engine.add_request("short", list(range(10, 15)), GREEDY)
         engine.step()  # its prompt in: it decodes on, in the next steps
@@ -78,6 +87,8 @@ def test_the_steps_requests_end_with_the_error_and_the_engine_serves_on(tiny_dir
         engine.add_request("after", list(range(10, 40)), GREEDY)
         after = _run(engine)["after"]
         assert after.error is None and len(after.outputs[0].token_ids) == 4
+        assert (engine.num_steps_ahead > 0) == ahead
+        engine.check_integrity()
     finally:
         engine.shutdown()
 

@@ -66,9 +66,10 @@ def test_triton_backend_and_fused_layers_give_transformers_tokens(tiny_dir, hf_t
 def test_padded_graph_buckets_give_the_tokens_of_unpadded_batches(tiny_dir, hf_tiny, hf_reference):
     """Every decode step goes through the graph runner's static buffers, replayed eagerly: batches
     of 3, 5 and 6 decodes pad to buckets of 4 and 8 (rows of slot -1, context 0). Outputs are made
-    while the next step runs, as on CUDA by default."""
+    while the next step runs and each step is queued before the last one is read (its decodes'
+    ids taken from the device), as on CUDA by default."""
     batch = prompts((3, 9, 17, 20, 33, 2), offset=5)
-    with triton_llm(tiny_dir, overlap_outputs=True) as llm:
+    with triton_llm(tiny_dir, overlap_outputs=True, async_scheduling=True) as llm:
         runner = llm.engine.executor.driver
         runner.graphs = runner.decode_graphs()
         assert runner.graphs.sizes == [1, 2, 4, 8]
@@ -76,8 +77,8 @@ def test_padded_graph_buckets_give_the_tokens_of_unpadded_batches(tiny_dir, hf_t
         runs: list[tuple[int, int]] = []
         real_run = runner.graphs.run
 
-        def counted(decodes):
-            hidden = real_run(decodes)
+        def counted(decodes, carried=None):
+            hidden = real_run(decodes, carried)
             runs.append((len(decodes.input_ids), bucket_for(runner.graphs.sizes, len(decodes.input_ids))))
             return hidden
 
@@ -85,6 +86,7 @@ def test_padded_graph_buckets_give_the_tokens_of_unpadded_batches(tiny_dir, hf_t
         outputs = llm.generate(batch[:3], GREEDY) + llm.generate(batch[3:], GREEDY) + llm.generate(batch, GREEDY)
         assert llm.engine.num_blocks_held() == 0
         assert runner.num_graph_replays == len(runs)
+        assert llm.engine.num_steps_ahead > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected(hf_tiny, hf_reference, batch + batch)
     assert any(n < size for n, size in runs), f"no step was padded: {runs}"
     assert {size for _, size in runs} >= {4, 8}, runs

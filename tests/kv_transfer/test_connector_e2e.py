@@ -31,13 +31,22 @@ CONNECTOR = "kv_transfer.connector:TransferConnector"
 
 
 def engine(
-    model_dir, role, tp, backend, receive=False, shared_memory=False, every_chunk=True, kv_memory=32 * 2**20
+    model_dir,
+    role,
+    tp,
+    backend,
+    receive=False,
+    shared_memory=False,
+    every_chunk=True,
+    kv_memory=32 * 2**20,
+    async_scheduling=None,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(model_dir)),
             cache=CacheConfig(kv_cache_memory=kv_memory, shared_memory=shared_memory),
-            scheduler=SchedulerConfig(role=role, max_prefill_chunk=24),  # several chunks per prompt
+            # several chunks per prompt
+            scheduler=SchedulerConfig(role=role, max_prefill_chunk=24, async_scheduling=async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=tp),
             kv_connector=KVConnectorConfig(
                 CONNECTOR, {"backend": backend, "receive": receive}, push_every_chunk=every_chunk
@@ -113,6 +122,36 @@ def test_layerwise_push_from_engine_decodes_exactly(prefill_tp, decode_tp, backe
             channels = prefill.executor.driver.connector.sender._channels.values()
             assert channels and all((ch.staging_region is None) == pull for ch in channels)
         prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_decode_replica_scheduling_ahead_decodes_exactly_while_kv_lands(smol_dir, hf_smol, hf_reference):
+    """Async scheduling on the decode side (as on CUDA): prompts are handed over a few steps apart,
+    so KV lands and requests join while steps are queued ahead of their reads."""
+    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc", async_scheduling=True)
+    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True, async_scheduling=True)
+    try:
+        assert decode.async_scheduling and not prefill.async_scheduling  # a prefill replica never runs ahead
+        prompts = [prefill.tokenizer.encode(p) for p in PROMPTS[:4]]
+        params = SamplingParams(temperature=0, max_tokens=12)
+        waiting, finished = list(enumerate(prompts)), {}
+        for step in range(2000):
+            if waiting and step % 3 == 0:
+                i, ids = waiting.pop(0)
+                prefill.add_request(f"req-{i}", ids, params, kv_ticket=_hand_out(decode, f"req-{i}", ids, params))
+            if not waiting and not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
+                break
+            prefill.step()
+            finished.update({o.request_id: o for o in decode.step() if o.finished})
+        for i, ids in enumerate(prompts):
+            output = finished[f"req-{i}"]
+            assert output.error is None, output.error
+            assert output.outputs[0].token_ids == hf_reference(hf_smol, ids, 12)
+        assert decode.num_steps_ahead > 10
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         decode.check_integrity()
     finally:
         prefill.shutdown()

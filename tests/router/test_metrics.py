@@ -101,6 +101,8 @@ def test_replica_reports_become_gauges_and_counters_labelled_by_pool_and_replica
                 "prefix_cache_queried_tokens": 640,
                 "prefix_cache_hit_tokens": 320,
                 "num_kv_lease_expirations": 1,
+                "num_steps": 50,
+                "num_steps_ahead": 48,
             }
         ],
         "prefill": [{"replica_id": "p1", "num_waiting": 5, "num_handoff": 3, "num_preemptions": 2}],
@@ -122,6 +124,8 @@ def test_replica_reports_become_gauges_and_counters_labelled_by_pool_and_replica
     assert at("pdserve:prefix_cache_hits_total", "decode", "d1") == 320
     assert at("pdserve:kv_lease_expirations_total", "decode", "d1") == 1
     assert at("pdserve:num_preemptions_total", "prefill", "p1") == 2
+    assert at("pdserve:engine_steps_total", "decode", "d1") == 50
+    assert at("pdserve:engine_steps_ahead_total", "decode", "d1") == 48
     # Read at scrape time: a fresh report shows at the next scrape.
     reports["decode"][0]["num_running"] = 0
     assert scrape(metrics)[("pdserve:num_requests_running", (("pool", "decode"), ("replica", "d1")))] == 0
