@@ -463,6 +463,7 @@ def build_app(
         "allowed_hosts": config.router.allowed_hosts,
         "allowed_origins": config.router.allowed_origins,
         "max_tokens_limit": config.router.max_tokens_limit,
+        "kv_load_failure_policy": config.router.kv_load_failure_policy,
     }
     return router.bind(decode, prefill, *router_args, scaler=scaler, **planner, **deadlines)
 

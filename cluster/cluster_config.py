@@ -27,6 +27,7 @@ from common.config import (
     SchedulerConfig,
 )
 from common.errors import ConfigError
+from common.serving import KV_LOAD_FAILURE_POLICIES
 from common.tracing import check_tracing
 from router.planner import PlannerConfig
 
@@ -152,6 +153,10 @@ class RouterConfig:
     # names none gets. None: the context's rest, as vLLM.
     max_tokens_limit: int | None = None
     max_retries: int = 1  # prefill retries / decode resumes per request
+    # A request whose KV hand-off failed (a chunk refused as corrupt or forged, a lease run out, a
+    # transport error): "recompute" retries it with the prompt computed on its decode replica (no
+    # second transfer), "fail" ends it with the error at once (vLLM's kv_load_failure_policy).
+    kv_load_failure_policy: str = "recompute"
     # Disaggregated mode: a decode replica may compute a prompt itself when the router's estimate
     # of the prefill pool's path (queue, cache hit, rate, measured hand-off overhead) says that is
     # sooner (decode_pool/prefill_site.py). It computes it in chunks beside its decode batch, each
@@ -181,6 +186,9 @@ class RouterConfig:
             type(self.max_tokens_limit) is int and self.max_tokens_limit >= 1
         ):
             raise ConfigError(f"max_tokens_limit={self.max_tokens_limit!r} must be an integer >= 1 or null")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            policies = ", ".join(KV_LOAD_FAILURE_POLICIES)
+            raise ConfigError(f"kv_load_failure_policy={self.kv_load_failure_policy!r}: use one of {policies}")
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
         if type(self.max_body_bytes) is not int or self.max_body_bytes < 1024:
@@ -222,11 +230,10 @@ class ClusterConfig:
     # nodes of a Ray cluster. shm ignores both (one host only); auto's tcp half uses them.
     kv_host: str = "127.0.0.1"
     kv_advertise_host: str | None = None
-    # How each KV chunk's payload is checked (kv_transfer.protocol): none (the chunk's header is
-    # signed either way), crc32 (catches corruption) or mac (HMAC-SHA256 under the ticket's secret:
-    # catches tampering too). Off by default: hashing every layer on both sides runs at ~2 GB/s on a
-    # CPU core, several times slower than the transfer itself (README, bench.kv_transfer --integrity).
-    kv_integrity: str = "none"
+    # How each KV chunk's payload is checked (kv_transfer.protocol): mac (Poly1305 under a one-time
+    # key from the ticket's secret: catches tampering and corruption; ~10-13 GB/s a CPU core, README
+    # "KV integrity"), crc32 (corruption only) or none (the chunk's header is signed either way).
+    kv_integrity: str = "mac"
     # true: a prefill replica pushes each prompt chunk's completed KV blocks while its next chunk
     # computes, so only the last chunk's are left to travel once the prompt is done; false: the whole
     # prompt leaves during its last chunk; null: true on CUDA, false on CPU (README "KV pushed chunk

@@ -14,6 +14,12 @@ from typing import Any
 
 from common.outputs import TokenLogprob
 
+# What the router does with a request whose KV hand-off failed (router.kv_load_failure_policy):
+# retry it with the prompt computed on its decode replica, or end it with the error.
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# The kind a decode replica's error starts with ("kind: message") when a request's KV never loaded.
+KV_LOAD_FAILED = "kv_load_failed"
+
 
 @dataclass(frozen=True, slots=True)
 class ServeRequest:

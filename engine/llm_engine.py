@@ -23,6 +23,7 @@ from common.kv_layout import KVCacheLayout
 from common.kv_messages import ConnectorStep, ShardReport
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
+from common.serving import KV_LOAD_FAILED
 from engine.distributed.parallel import pick_device
 from engine.executor import Executor, WorkerLauncher
 from engine.kv_cache.manager import KVCacheManager
@@ -597,7 +598,7 @@ class LLMEngine:
             self.num_kv_transfer_failures += 1
             # Counted where the lease is held (the decode side), so a pool-wide sum counts each once.
             self.num_kv_lease_expirations += "lease expired" in reason  # kv_transfer.receiver's wording
-            self.abort_request(request_id, error=reason)
+            self.abort_request(request_id, error=f"{KV_LOAD_FAILED}: {reason}")
 
     # --- introspection ---------------------------------------------------------------------
     def can_accept(self) -> bool:

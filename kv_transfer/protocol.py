@@ -19,8 +19,10 @@ payload that does not match its check is refused too. The check is the sender's 
     none    no check of the payload (the header is still signed)
     crc32   an int: CRC-32 of the payload. Catches corruption, not tampering: anyone on the path
             who can change the payload can make its CRC match
-    mac     16 bytes: HMAC-SHA256 of the payload under the ticket's secret, truncated. Catches both
-            (the payload's MAC starts from a label of its own, so it never equals a header's MAC)
+    mac     32 bytes: a random 16-byte nonce, then the payload's Poly1305 tag under a key used
+            for this payload only, HMAC-SHA256(ticket secret, label + nonce). Catches both.
+            Poly1305 runs at ~10-13 GB/s on one core where HMAC-SHA256 ran at ~1.8 (README
+            "KV integrity"); a Poly1305 key must never tag two messages, hence the one-time key
 
 A receiver may require a check at least as strong as its own ``require_integrity`` (the cluster's
 ``kv_integrity``): a chunk carrying a weaker one fails its transfer, so a sender configured apart
@@ -34,10 +36,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import zlib
 from dataclasses import dataclass, fields
 
 import msgpack
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 MAX_DIRECT_RUNS = 8  # a payload received in place comes in a piece per run; more runs, and it is copied
 MAX_DIRECT_PIECES = 256  # pieces (K or V of one run of one layer) in one chunk received in place
@@ -91,8 +95,12 @@ _FIELDS = tuple(f.name for f in fields(ChunkHeader))
 
 
 INTEGRITY_MODES = ("none", "crc32", "mac")  # weakest first
-_PAYLOAD_MAC_BYTES = 16
-_PAYLOAD_MAC_LABEL = b"pdserve/kv-payload\x00"  # domain separation from the header's MAC (same key)
+_NONCE_BYTES = 16
+_TAG_BYTES = 16
+_PAYLOAD_KEY_LABEL = b"pdserve/kv-payload-key\x00"  # the one-time keys never collide with a header's MAC
+# Poly1305 holds the GIL while it hashes one update: slices of 1 MiB (~0.1 ms) keep the engine's
+# thread running beside a sender's or receiver's.
+_SLICE_BYTES = 1 << 20
 
 
 def checksum(*parts: bytes | memoryview) -> int:
@@ -103,13 +111,17 @@ def checksum(*parts: bytes | memoryview) -> int:
     return crc
 
 
-def payload_mac(key: bytes, *parts: bytes | memoryview) -> bytes:
-    """HMAC-SHA256 of the parts as one payload under ``key`` (the ticket's secret), truncated to 16
-    bytes. hashlib hashes without the GIL: the sending and receiving threads do not stall the engine's."""
-    mac = hmac.new(key, _PAYLOAD_MAC_LABEL, digestmod=hashlib.sha256)
+def payload_mac(key: bytes, *parts: bytes | memoryview, nonce: bytes | None = None) -> bytes:
+    """nonce + Poly1305 tag of the parts as one payload, under a one-time key derived from ``key``
+    (the ticket's secret) and a fresh random nonce (``nonce`` given: to verify a received tag)."""
+    nonce = os.urandom(_NONCE_BYTES) if nonce is None else nonce
+    one_time_key = hmac.new(key, _PAYLOAD_KEY_LABEL + nonce, digestmod=hashlib.sha256).digest()
+    poly = Poly1305(one_time_key)
     for part in parts:
-        mac.update(part)
-    return mac.digest()[:_PAYLOAD_MAC_BYTES]
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), _SLICE_BYTES):
+            poly.update(view[start : start + _SLICE_BYTES])
+    return nonce + poly.finalize()
 
 
 def payload_check(integrity: str, key: bytes, *parts: bytes | memoryview) -> int | bytes | None:
@@ -136,7 +148,9 @@ def payload_matches(expected: int | bytes | None, key: bytes, *parts: bytes | me
     if expected is None:
         return True
     if isinstance(expected, bytes):
-        return hmac.compare_digest(payload_mac(key, *parts), expected)
+        if len(expected) != _NONCE_BYTES + _TAG_BYTES:
+            return False
+        return hmac.compare_digest(payload_mac(key, *parts, nonce=expected[:_NONCE_BYTES]), expected)
     return checksum(*parts) == expected
 
 

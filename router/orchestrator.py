@@ -41,7 +41,14 @@ from opentelemetry.context import Context
 
 from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
-from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
+from common.serving import (
+    KV_LOAD_FAILED,
+    KV_LOAD_FAILURE_POLICIES,
+    PrefillResult,
+    ServeRequest,
+    StreamDelta,
+    TicketIssued,
+)
 from common.tracing import inject
 from router.remote_prefill import RemotePrefillEstimator
 from router.ttft import ttft_breakdown, ttft_span_attributes
@@ -76,6 +83,11 @@ _UNAVAILABLE_PAUSE_S = 0.5
 class PrefillFailed(AttemptFailed):
     """The prefill side failed the attempt (replica lost, engine stopped, hand-off failed): the
     next attempt computes the prompt on its decode replica."""
+
+
+class KVLoadFailed(PrefillFailed):
+    """The attempt's KV hand-off failed (a chunk refused, a lease run out, a transport error): the
+    next attempt computes the prompt on decode, or none follows (kv_load_failure_policy "fail")."""
 
 
 def _is_replica_loss(exc: BaseException) -> bool:
@@ -140,7 +152,9 @@ class Orchestrator:
         prefill_pool_down: Callable[[], bool] | None = None,
         decode_pool_down: Callable[[], bool] | None = None,
         inter_token_timeout_s: float | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
+        assert kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES, kv_load_failure_policy
         self.decode = decode
         self.prefill = prefill  # None: colocated
         # Conditional disaggregation: each request tells its decode replica what the prefill pool
@@ -151,6 +165,7 @@ class Orchestrator:
         # Once a stream has sent a token, a longer silence means its decode replica hangs (stopped,
         # not killed: Serve's health checks take ~100 s to see it): the stream resumes elsewhere.
         self.inter_token_timeout_s = inter_token_timeout_s
+        self.kv_load_failure_policy = kv_load_failure_policy
         # True while the prefill pool has no replica that takes requests (all failed, or none left
         # while Serve replaces them): prompts then go straight to their decode replica.
         self.prefill_pool_down = prefill_pool_down or (lambda: False)
@@ -277,6 +292,8 @@ class Orchestrator:
                         raise OverloadedError("every replica's queue is full; retry later") from exc
                     logger.exception("request %s: attempt %d failed", request_id, attempt)
                 why = _why_not_resumable(params) if sent_ids else None
+                if why is None and isinstance(exc, KVLoadFailed) and self.kv_load_failure_policy == "fail":
+                    why = "the KV hand-off failed (kv_load_failure_policy: fail)"
                 if why is None and (attempt >= self.max_retries or time.monotonic() > deadline):
                     why = f"gave up after {attempt + 1} attempt(s)"
                 if why is not None:
@@ -355,19 +372,24 @@ class Orchestrator:
                 assert isinstance(delta, StreamDelta), f"{request.request_id}: a second ticket in one stream"
                 if prefill_task is not None and num_yielded == 0 and delta.error is not None:
                     # Decode failed before any token: prefill's verdict says why, if it has one
-                    # (an overloaded prefill pool is a 503, not a failed hand-off). A hand-off that
-                    # failed with it is decode's failure, not prefill's: no failover to decode.
+                    # (an overloaded prefill pool is a 503, not a failed hand-off). A hand-off
+                    # that failed with decode is a KV load failure only if decode says so; else
+                    # decode failed on its own (engine stopped): no failover to decode.
                     await asyncio.wait({prefill_task}, timeout=_facts_wait_s(deadline))
                     task, prefill_task = prefill_task, None
+                    kv_failed = delta.error.startswith(f"{KV_LOAD_FAILED}: ")
                     if task.done():
-                        _check_prefill(task, request.request_id, prefill_to_blame=False)
+                        _check_prefill(task, request.request_id, kv_to_blame=kv_failed)
                     else:
                         # No verdict: the prefill replica is silent past decode's wait for the KV
                         # (a hung replica). Unless decode refused the request, the retry computes
                         # the prompt on decode, never on that replica again.
                         _discard(task)
                         raise_for_pool_error(delta.error)
-                        raise PrefillFailed(f"the prefill replica did not answer once decode failed: {delta.error}")
+                        failure = KVLoadFailed if kv_failed else PrefillFailed
+                        raise failure(f"the prefill replica did not answer once decode failed: {delta.error}")
+                    if kv_failed:  # prefill reported its push done, yet decode could not load it
+                        raise KVLoadFailed(delta.error)
                 if num_yielded == 0:
                     span.add_event("first_token", {"decode_replica": delta.replica_id})
                     first_token_s = time.monotonic() - started
@@ -443,17 +465,17 @@ def _discard(task: asyncio.Future) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def _check_prefill(task: asyncio.Task, request_id: str, prefill_to_blame: bool = True) -> PrefillResult:
-    """A finished prefill with an error ends the attempt now, not when the decode lease runs out.
-    ``prefill_to_blame``: a failed hand-off is the prefill side's (PrefillFailed: the retry computes
-    the prompt on decode); False when decode already failed, which explains the hand-off's end."""
+def _check_prefill(task: asyncio.Task, request_id: str, kv_to_blame: bool = True) -> PrefillResult:
+    """A finished prefill with an error ends the attempt now, not when the decode lease runs out:
+    a failed hand-off is KVLoadFailed (kv_load_failure_policy). ``kv_to_blame`` False: decode
+    failed on its own (its engine stopped), which explains the hand-off's end: a plain retry."""
     exc = task.exception()
     if exc is not None:
         raise exc
     result: PrefillResult = task.result()
     if result.error is not None:
         raise_for_pool_error(result.error)
-        failure = PrefillFailed if prefill_to_blame else AttemptFailed
+        failure = KVLoadFailed if kv_to_blame else AttemptFailed
         raise failure(f"KV hand-off of {request_id} failed: {result.error}")
     return result
 

@@ -313,6 +313,7 @@ class RouterServer:
         allowed_hosts: list[str] | None = None,
         allowed_origins: list[str] | None = None,
         max_tokens_limit: int | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
         ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
@@ -348,6 +349,7 @@ class RouterServer:
             prefill_pool_down=lambda: takes_requests("prefill") is False,
             decode_pool_down=lambda: takes_requests("colocated" if prefill is None else "decode") is False,
             inter_token_timeout_s=inter_token_timeout_s,
+            kv_load_failure_policy=kv_load_failure_policy,
         )
         self.max_concurrent_requests = max_concurrent_requests
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)

@@ -311,7 +311,8 @@ def test_integrity_modes_are_ordered_and_the_payload_mac_is_not_a_header_mac():
     assert [at_least(check, "mac") for check in (None, 7, b"x" * 16)] == [False, False, True]
     assert at_least(None, "none")
     body = b"the same bytes under the same key"
-    assert payload_mac(b"k" * 32, body) != _mac(b"k" * 32, body)[:16]
+    tag = payload_mac(b"k" * 32, body)
+    assert tag[16:] != _mac(b"k" * 32, body)[:16] and _mac(b"k" * 32, body)[:16] not in tag
     with pytest.raises(ValueError, match="require_integrity='sha1'"):
         KVReceiver(*_receiver_parts(), require_integrity="sha1")
 
@@ -409,11 +410,20 @@ def test_payload_checks_per_mode():
     assert payload_check("none", key, *parts) is None
     assert payload_check("crc32", key, *parts) == zlib.crc32(payload)
     mac = payload_check("mac", key, *parts)
-    assert isinstance(mac, bytes) and len(mac) == 16 and mac == payload_mac(key, payload)
-    assert mac != payload_mac(b"j" * 32, payload)
+    assert isinstance(mac, bytes) and len(mac) == 32 and mac == payload_mac(key, payload, nonce=mac[:16])
+    # A fresh nonce, so a fresh one-time Poly1305 key, for every payload: the same bytes tag apart.
+    assert payload_mac(key, payload)[:16] != mac[:16] and payload_mac(key, payload)[16:] != mac[16:]
+    assert not payload_matches(mac, b"j" * 32, payload)  # another ticket's secret
     changed = bytes([payload[0] ^ 1]) + payload[1:]
     for expected in (zlib.crc32(payload), mac):
         assert payload_matches(expected, key, *parts) and not payload_matches(expected, key, changed)
+    # A tag moved to another nonce, or cut short, is refused.
+    assert not payload_matches(bytes(16) + mac[16:], key, payload)
+    assert not payload_matches(mac[:16], key, payload) and not payload_matches(mac[16:], key, payload)
+    # Longer than a slice of the hash's updates (1 MiB): sliced or whole, one tag.
+    big = bytes(range(256)) * (5 << 12)
+    big_mac = payload_mac(key, memoryview(big)[:3_000_000], big[3_000_000:])
+    assert payload_matches(big_mac, key, big)
     assert payload_matches(None, key, changed)
     with pytest.raises(ValueError, match="integrity='sha1'"):
         KVSender(layout_for(1, 0), "m", transport_named("inproc"), integrity="sha1")

@@ -14,7 +14,7 @@ from ray import exceptions as ray_exceptions
 
 from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
-from common.serving import PrefillResult, ServeRequest, StreamDelta, TicketIssued
+from common.serving import KV_LOAD_FAILED, PrefillResult, ServeRequest, StreamDelta, TicketIssued
 from router.orchestrator import Orchestrator
 
 TOKENS = list(range(100, 140))  # what a greedy decode of any prompt yields, in this fake world
@@ -495,6 +495,59 @@ def test_a_hand_off_that_failed_with_its_decode_side_keeps_the_retry_on_the_pref
     prefill.remote = reply
     assert tokens(run(Orchestrator(decode, prefill, max_retries=1), GREEDY)) == TOKENS[:8]
     assert not decode.streams[1].request.prefill_here and len(prefill.requests) == 2
+
+
+class LateResponse(FakeResponse):
+    """A prefill reply that comes a moment after decode's first items."""
+
+    def __await__(self):
+        async def resolve():
+            await asyncio.sleep(0.05)
+            return self.outcome
+
+        return resolve().__await__()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("first", ["prefill's verdict", "decode's error"])
+def test_a_kv_load_failure_recomputes_on_decode_or_ends_the_request_by_policy(policy, first):
+    """Whichever side reports it first (prefill's failed push, or decode's kv_load_failed error
+    with prefill's failed verdict behind it), a hand-off whose KV never loaded is retried with the
+    prompt computed on decode (recompute), or ends the request at once (fail)."""
+    refused = "chunk (0, 0) refused: payload checksum mismatch"
+    if first == "decode's error":
+        decode = FirstTicketThenError(f"{KV_LOAD_FAILED}: {refused}")
+        prefill = FakePrefill([])
+        prefill.remote = lambda request: (
+            prefill.requests.append(request) or LateResponse(PrefillResult(request.request_id, None, 0, refused))
+        )
+    else:
+        decode = FakeDecode([{}, {}])
+        prefill = FakePrefill([PrefillResult("req.0", None, 0, refused)])
+    deltas = run(Orchestrator(decode, prefill, max_retries=3, kv_load_failure_policy=policy), GREEDY)
+    assert len(prefill.requests) == 1  # never a second transfer
+    if policy == "recompute":
+        assert tokens(deltas) == TOKENS[:8]
+        assert [s.request.prefill_here for s in decode.streams] == [False, True]
+    else:
+        assert tokens(deltas) == [] and len(decode.streams) == 1
+        assert deltas[-1].finish_reason == "error" and "kv_load_failure_policy: fail" in deltas[-1].error
+        assert refused in deltas[-1].error
+
+
+def test_decode_failing_on_its_own_is_no_kv_load_failure_even_under_fail():
+    decode = FirstTicketThenError("unexpected: the engine raised")
+    prefill = FakePrefill([])
+    replies = iter([PrefillResult("req.0", None, 0, "the receiver went away"), None])
+
+    def reply(request):  # the failed verdict comes after decode's own error
+        prefill.requests.append(request)
+        outcome = next(replies)
+        return LateResponse(outcome) if outcome else FakeResponse(PrefillResult(request.request_id, 1, 0))
+
+    prefill.remote = reply
+    deltas = run(Orchestrator(decode, prefill, max_retries=1, kv_load_failure_policy="fail"), GREEDY)
+    assert tokens(deltas) == TOKENS[:8] and len(prefill.requests) == 2
 
 
 def test_once_decode_failed_a_prefill_that_never_answers_is_waited_for_a_moment_only(monkeypatch):
