@@ -12,6 +12,7 @@ crc32 and is refused by mac, whose key the path does not have.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import zlib
@@ -70,10 +71,8 @@ class CorruptingProxy:
             pass
         finally:
             for s in (source, sink):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.listener.close()
