@@ -133,6 +133,10 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0  # a collective that takes longer means a dead shard
+    # A shard whose heartbeat (a thread of its own, every 0.5 s) stops this long is taken as hung
+    # (stopped, frozen) and the instance fails now: the driver would otherwise wait in a collective
+    # with it for distributed_timeout_s.
+    shard_heartbeat_timeout_s: float = 10.0
     # CPU: the cores this instance owns, split between its shards, each pinned to its slice (a
     # serving replica's claim, common.cpu_cores). None: all of this process's cores, unpinned.
     cpu_cores: list[int] | None = None
@@ -142,6 +146,8 @@ class ParallelConfig:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.cpu_cores is not None and (not self.cpu_cores or any(c < 0 for c in self.cpu_cores)):
             raise ConfigError(f"cpu_cores={self.cpu_cores} must list core numbers (>= 0), or be None")
+        if not self.shard_heartbeat_timeout_s > 0:
+            raise ConfigError(f"shard_heartbeat_timeout_s={self.shard_heartbeat_timeout_s} must be > 0 seconds")
 
 
 @dataclass(frozen=True)

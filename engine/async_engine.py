@@ -271,7 +271,10 @@ class AsyncEngine:
                 if not outputs and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
                     time.sleep(self._idle_poll_s)  # only hand-offs are open: poll, don't spin
         except BaseException as exc:  # the engine is unusable: fail everyone, loudly
-            self.error = f"{type(exc).__name__}: {exc}"
+            # A shard the watchdog found dead or silent is the cause: the collective's own error
+            # (a closed socket) only names its symptom.
+            cause = self.engine.executor.failure
+            self.error = cause if cause is not None else f"{type(exc).__name__}: {exc}"
             logger.exception("engine thread failed")
             self._fail_all(self.error)
             return

@@ -147,6 +147,7 @@ def run_worker(
     timeout = datetime.timedelta(seconds=engine_config.parallel.distributed_timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
     store.set(_shard_pid_key(rank), str(os.getpid()))  # before joining: the driver reads it once all joined
+    threading.Thread(target=_beat, args=(host, int(port), rank), name="pdserve-shard-heartbeat", daemon=True).start()
     store.add(_JOINED_KEY, 1)
     tp = TensorParallel.init(rank, world_size, store, device, engine_config.parallel.distributed_timeout_s)
     runner = None
@@ -176,6 +177,24 @@ def run_worker(
 
 
 _JOINED_KEY = "pdserve/shards_joined"
+_HEARTBEAT_PERIOD_S = 0.5
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"pdserve/heartbeat/{rank}"
+
+
+def _beat(host: str, port: int, rank: int) -> None:
+    """A shard's heartbeat: a counter in the driver's store, bumped every _HEARTBEAT_PERIOD_S on a
+    thread of its own (a store client of its own too), so a stopped or frozen shard is told from a
+    busy one. Ends with the store (the driver gone)."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        while True:
+            store.add(_heartbeat_key(rank), 1)
+            time.sleep(_HEARTBEAT_PERIOD_S)
+    except Exception:
+        return
 
 
 def _shard_pid_key(rank: int) -> str:
@@ -289,7 +308,8 @@ class Executor:
                 raise
         self.tp = tp
         if self.workers:
-            threading.Thread(target=self._watch_shards, name="pdserve-shard-watch", daemon=True).start()
+            watch = (store.port, config.parallel.shard_heartbeat_timeout_s)
+            threading.Thread(target=self._watch_shards, args=watch, name="pdserve-shard-watch", daemon=True).start()
         try:
             self.driver = ModelRunner(config, model_dir, tp)
             self.has_connector = self.driver.connector is not None
@@ -380,26 +400,50 @@ class Executor:
     def _dead_ranks(self) -> list[int]:
         return [rank for rank, worker in enumerate(self.workers, 1) if not worker.is_alive()]
 
-    def _watch_shards(self) -> None:
-        """A dead shard can leave the driver blocked in a collective for ``distributed_timeout_s``:
-        gloo fails an operation on a peer's closed socket, but a live shard whose own collective
-        failed (a Ray actor outlives its failed call) keeps its sockets open while the driver waits
-        on it. Killing every shard then closes each socket the driver may wait on, so the step fails
-        now and the instance reports the failure (NCCL waits regardless: the replica's health check
-        sees ``failure`` and the replica is replaced)."""
+    def _watch_shards(self, store_port: int, heartbeat_timeout_s: float) -> None:
+        """A dead or hung shard can leave the driver blocked in a collective for
+        ``distributed_timeout_s``: gloo fails an operation on a peer's closed socket, but a live
+        shard whose own collective failed (a Ray actor outlives its failed call) keeps its sockets
+        open while the driver waits on it, and so does a stopped (SIGSTOP) or frozen one, found by
+        its heartbeat going quiet. Killing every shard then closes each socket the driver may wait
+        on, so the step fails now and the instance reports the failure (NCCL waits regardless: the
+        replica's health check sees ``failure`` and the replica is replaced)."""
+        try:
+            store: dist.TCPStore | None = dist.TCPStore(
+                "127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=10)
+            )
+        except Exception:  # the store is gone already (shut down during start-up): deaths are still seen
+            logger.exception("the shard watchdog could not reach the store: heartbeats unread")
+            store = None
+        ranks = range(1, self.world_size)
+        beats = {rank: -1 for rank in ranks}
+        heard = dict.fromkeys(ranks, time.monotonic())  # this driver's clock, when each beat last moved
         while not self._watch_stop.wait(_SHARD_WATCH_PERIOD_S):
             try:
                 dead = self._dead_ranks()
+                now = time.monotonic()
+                for rank in ranks if store is not None else ():
+                    beat = store.add(_heartbeat_key(rank), 0)
+                    if beat != beats[rank]:
+                        beats[rank], heard[rank] = beat, now
             except Exception:  # a launcher's liveness question failed: ask again next time
                 logger.exception("could not ask the tensor-parallel shards whether they run")
                 continue
+            silent = [rank for rank in ranks if now - heard[rank] > heartbeat_timeout_s]
             if dead:
                 self.failure = f"tensor-parallel shard(s) {dead} died; the model instance must be restarted"
-                logger.error("%s: stopping every other shard so that no step waits on them", self.failure)
-                self._kill_workers()
-                if self.on_failure is not None:
-                    self.on_failure(self.failure)
-                return
+            elif silent and not self._watch_stop.is_set():
+                self.failure = (
+                    f"tensor-parallel shard(s) {silent} stopped answering (no heartbeat for "
+                    f"{heartbeat_timeout_s:g} s: stopped or frozen); the model instance must be restarted"
+                )
+            else:
+                continue
+            logger.error("%s: stopping every other shard so that no step waits on them", self.failure)
+            self._kill_workers()
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+            return
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):

@@ -166,14 +166,22 @@ class Sampler:
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
         if not rows:
-            return PendingSample(None, logits, rows)
+            return PendingSample(None, rows, None, None)
         # .float() aliases float32 input; every stage below is out-of-place so the caller's tensor survives.
         raw_logits = logits.float()
         logits = self._penalize(raw_logits, rows)
 
         greedy = [row.params.is_greedy for row in rows]
         sampled = greedy_pick(logits) if all(greedy) else self._sample(logits, rows, greedy, self._upload)
-        return PendingSample(sampled, raw_logits, rows)
+        # What read() returns, queued now: copied to pinned host memory behind the sampling, so that
+        # reading waits for this step alone, not for a step the engine queued after it.
+        results = [sampled, *_logprob_tensors(raw_logits, sampled, rows)]
+        copied = None
+        if sampled.device.type == "cuda":
+            results = [_to_pinned(t) for t in results]
+            copied = torch.cuda.Event()
+            copied.record()
+        return PendingSample(sampled, rows, results, copied)
 
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> torch.Tensor:
@@ -249,34 +257,54 @@ class PendingSample:
     """A step's sampling, queued on the device; ``read`` waits for it."""
 
     sampled: torch.Tensor | None  # [rows] token ids on the logits' device (None: no rows)
-    raw_logits: torch.Tensor
     rows: Sequence[SamplingRequestState]
+    # The sampled ids, then the logprobs' tensors if any row asks for them (_logprob_tensors): on
+    # the host once ``copied`` has passed (CUDA), or already (CPU).
+    results: list[torch.Tensor] | None
+    copied: torch.cuda.Event | None
 
     def read(self) -> SamplerOutput:
-        if self.sampled is None:
+        if self.results is None:
             return SamplerOutput(sampled_token_ids=[], logprobs=[])
-        sampled_ids: list[int] = self.sampled.tolist()
-        return SamplerOutput(sampled_ids, _logprobs(self.raw_logits, self.sampled, self.rows))
+        if self.copied is not None:
+            self.copied.synchronize()
+        sampled_ids: list[int] = self.results[0].tolist()
+        return SamplerOutput(sampled_ids, _logprobs(self.results[1:], self.rows))
 
 
-def _logprobs(
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def _logprob_indices(rows: Sequence[SamplingRequestState]) -> list[int]:
+    return [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+
+
+def _logprob_tensors(
     raw_logits: torch.Tensor, sampled: torch.Tensor, rows: Sequence[SamplingRequestState]
-) -> list[TokenLogprob | None]:
-    out: list[TokenLogprob | None] = [None] * len(rows)
-    idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+) -> list[torch.Tensor]:
+    """The rows asking for logprobs: the chosen token's logprob and id, the top values and ids
+    (log_softmax of the RAW logits); [] when no row asks."""
+    idx = _logprob_indices(rows)
     if not idx:
-        return out
+        return []
     index = torch.tensor(idx, dtype=torch.long, device=raw_logits.device)
     logprobs = raw_logits.index_select(0, index).log_softmax(dim=-1)
     chosen_ids = sampled.index_select(0, index)
     chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
-
     num_top = min(max(rows[i].params.logprobs or 0 for i in idx), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    # One device->host copy per tensor, then plain Python.
-    chosen_list, chosen_id_list = chosen.tolist(), chosen_ids.tolist()
-    top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(idx):
+    return [chosen, chosen_ids, top_values, top_ids]
+
+
+def _logprobs(tensors: list[torch.Tensor], rows: Sequence[SamplingRequestState]) -> list[TokenLogprob | None]:
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not tensors:
+        return out
+    # One device->host copy per tensor (made at launch on CUDA), then plain Python.
+    chosen_list, chosen_id_list, top_value_list, top_id_list = (t.tolist() for t in tensors)
+    for j, i in enumerate(_logprob_indices(rows)):
         n = rows[i].params.logprobs or 0
         top = tuple(zip(top_id_list[j][:n], top_value_list[j][:n], strict=True))
         out[i] = TokenLogprob(chosen_id_list[j], chosen_list[j], top)

@@ -261,3 +261,17 @@ def test_greedy_pick_is_argmax_with_ties_going_to_the_first_index():
     picks = greedy_pick(logits)
     assert torch.equal(picks, logits.argmax(dim=-1))
     assert picks[5].item() == 7 and picks[9].item() == 0
+
+
+def test_a_launched_sample_reads_nothing_a_later_step_can_change() -> None:
+    """Everything ``read`` returns is computed at ``launch`` (on CUDA copied to pinned memory
+    there too): with steps scheduled ahead, a later step's kernels run before this one is read,
+    and a read that copied then would wait for them, or see a buffer they reused."""
+    logits = random_logits(2, 40, seed=5)
+    rows = [row(SamplingParams(temperature=0.0, logprobs=3)), row(SamplingParams(temperature=0.0))]
+    expected = Sampler()(logits.clone(), rows)
+    pending = Sampler().launch(logits, rows)
+    logits.fill_(0.0)  # as a later step reusing the logits' memory would
+    got = pending.read()
+    assert got.sampled_token_ids == expected.sampled_token_ids
+    assert got.logprobs == expected.logprobs

@@ -1,4 +1,5 @@
-"""A tensor-parallel shard that dies is found at once, busy or idle, and no step waits on it.
+"""A tensor-parallel shard that dies is found at once, busy or idle, and no step waits on it; one
+that is stopped (SIGSTOP: alive, its sockets open, silent) is found by its heartbeat going quiet.
 
 The shards here are hosted the way Ray actors host them in a cluster: a shard whose own step
 failed stays alive with its sockets open (an actor outlives its failed call), which is what can
@@ -25,6 +26,7 @@ from tests.conftest import build_tiny_llama
 # Far past the bounds below: a step that waits this long on a dead shard fails the test.
 DISTRIBUTED_TIMEOUT_S = 240.0
 FOUND_WITHIN_S = 30.0
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 def _actor_like_shard(rank, world_size, init_method, config, model_dir, finished) -> None:
@@ -74,7 +76,11 @@ def engine(tp3_dir):
     config = EngineConfig(
         model=ModelConfig(model=str(tp3_dir)),
         cache=CacheConfig(kv_cache_memory=8 * 2**20),
-        parallel=ParallelConfig(tensor_parallel_size=3, distributed_timeout_s=DISTRIBUTED_TIMEOUT_S),
+        parallel=ParallelConfig(
+            tensor_parallel_size=3,
+            distributed_timeout_s=DISTRIBUTED_TIMEOUT_S,
+            shard_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        ),
     )
     host = AsyncEngine(LLMEngine(config, launcher=_ActorLikeLauncher()))
     yield host
@@ -161,3 +167,30 @@ def test_a_shard_killed_while_the_engine_is_idle_makes_it_unhealthy_without_a_re
     os.kill(engine.engine.executor.shard_pids[0], signal.SIGKILL)
     _wait_unhealthy(engine, FOUND_WITHIN_S)
     assert "shard(s) [1] died" in (engine.error or "")
+
+
+def _stop(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)  # the fixture's shutdown kills it (SIGKILL reaches a stopped process)
+
+
+def test_a_shard_stopped_mid_decode_is_found_by_its_silence_and_the_streams_end(engine):
+    async def stop_shard() -> None:
+        _stop(engine.engine.executor.shard_pids[0])
+
+    started = time.monotonic()
+    *decoded, last = asyncio.run(_decode_until_fifth_token(engine, stop_shard))
+    waited = time.monotonic() - started
+    # Stopped, it is alive and keeps its sockets: only the heartbeat tells (distributed_timeout_s
+    # is 240 s here).
+    assert HEARTBEAT_TIMEOUT_S < waited < FOUND_WITHIN_S
+    assert len(decoded) >= 5 and last.finished and "shard(s) [1] stopped answering" in (last.error or ""), last
+    assert not engine.is_healthy
+
+
+def test_a_shard_stopped_while_the_engine_is_idle_makes_it_unhealthy(engine):
+    assert engine.is_healthy
+    time.sleep(HEARTBEAT_TIMEOUT_S)  # an idle instance beats on: healthy past a timeout
+    assert engine.is_healthy
+    _stop(engine.engine.executor.shard_pids[1])
+    assert _wait_unhealthy(engine, FOUND_WITHIN_S) > HEARTBEAT_TIMEOUT_S / 2
+    assert "shard(s) [2] stopped answering" in (engine.error or "")
