@@ -35,7 +35,7 @@ layer leaves only once it is computed, so its solo transfer is never hidden (1 -
 whole transfer); a short transfer's layers cost much more one by one than together.
 
 ``--integrity``: each row once per way of checking payloads (kv_transfer.protocol: none, crc32, or
-mac, HMAC-SHA256 under the ticket's secret), both sides hashing as a deployment's would; "vs none"
+mac, Poly1305 under a one-time key from the ticket's secret), both sides hashing as a deployment's would; "vs none"
 is a row's back-to-back time over the same transfer's without a check, measured next to it.
 """
 
