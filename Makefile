@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.pdserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint format bench prepare-model clean
+.PHONY: install serve test chaos test-fast lint format bench prepare-model clean
 
 install: $(STAMP)
 
@@ -29,7 +29,12 @@ prepare-model: install
 
 test: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not chaos" $(PYTEST_ARGS)
+
+# The failure drills (replicas, shards and KV processes killed or stopped, corrupted KV, bursts):
+# CI's second stage, after make test.
+chaos: install
+	$(PY) -m pytest -m chaos $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -11,12 +11,14 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.logs import setup_logging
 from engine.executor import WorkerHandle, WorkerLauncher, run_worker
 
 
 @ray.remote(max_restarts=0)
 class ShardActor:
     def run(self, rank: int, world_size: int, init_method: str, config: dict, model_dir: str) -> None:
+        setup_logging()
         run_worker(rank, world_size, init_method, config, model_dir)
 
     def pid(self) -> int:

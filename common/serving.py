@@ -36,6 +36,9 @@ class ServeRequest:
     # Decode only: compute the prompt here, whatever the estimate (the prefill pool failed this
     # request's previous attempt, or has no replica that takes requests).
     prefill_here: bool = False
+    # Replicas (Serve unique ids) an earlier attempt of this request was lost on, dead or silent:
+    # placement takes another while one is there (a stopped replica looks alive for seconds).
+    avoid_replicas: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

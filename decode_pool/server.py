@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from common import tracing
 from common.config import EngineConfig, EngineRole
 from common.errors import EngineStopped, InvalidRequestError, OverloadedError
+from common.logs import setup_logging
 from common.outputs import RequestMetrics, RequestOutput
 from common.sampling_params import SamplingParams
 from common.serving import ServeRequest, StreamDelta, TicketIssued
@@ -84,6 +85,7 @@ class DecodeServer(EngineReplica):
         stream_interval: int = 1,
         tracing: tuple[str, str | None] = ("none", None),
     ) -> None:
+        setup_logging()
         config = EngineConfig.from_dict(resolve_node_address(engine_config))
         setup_tracing(tracing[0], f"pdserve-{config.scheduler.role.value}", tracing[1])
         limit = config.scheduler.max_num_waiting

@@ -20,6 +20,7 @@ import time
 from common import tracing
 from common.config import EngineConfig
 from common.errors import InvalidRequestError, OverloadedError
+from common.logs import setup_logging
 from common.outputs import RequestMetrics
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest
@@ -41,6 +42,7 @@ class PrefillServer(EngineReplica):
         cores: int | None = None,
         tracing: tuple[str, str | None] = ("none", None),
     ) -> None:
+        setup_logging()
         setup_tracing(tracing[0], "pdserve-prefill", tracing[1])
         engine, claim = start_replica_engine(EngineConfig.from_dict(engine_config), launcher, cores)
         super().__init__(engine, serve_replica_id(), claim)

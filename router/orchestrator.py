@@ -235,6 +235,7 @@ class Orchestrator:
         num_calls = 0  # every call on the pools, for a fresh pool request id each
         # Decode computes the prompt: the prefill pool is down, or it failed an earlier attempt.
         prefill_here = self.prefill is not None and self.prefill_pool_down()
+        lost_on: list[str] = []  # decode replicas an attempt was lost on (ReplicaLost): not again
         while True:
             if not sent_ids and self.decode_pool_down():  # Serve would hold the call until one is back
                 raise OverloadedError("the decode pool has no working replica (being replaced); retry later")
@@ -246,12 +247,14 @@ class Orchestrator:
                 sampling=attempt_params.to_dict(),
                 cache_salt=cache_salt,
                 prefill_here=prefill_here,
+                avoid_replicas=tuple(lost_on),
             )  # its trace_context is the attempt's span, set in _attempt
             resumed = bool(sent_ids)
             num_calls += 1
             span.set_attribute("attempts", num_calls)
+            served_by: list[str] = []
             try:
-                async with contextlib.aclosing(self._attempt(request, deadline, span)) as attempt_deltas:
+                async with contextlib.aclosing(self._attempt(request, deadline, span, served_by)) as attempt_deltas:
                     async for delta in attempt_deltas:
                         if delta.error is not None:
                             if delta.error.startswith(_UNAVAILABLE):
@@ -302,6 +305,8 @@ class Orchestrator:
                     return
                 attempt += 1
                 prefill_here = prefill_here or isinstance(exc, PrefillFailed)
+                if isinstance(exc, ReplicaLost):
+                    lost_on.extend(r for r in served_by if r not in lost_on)
                 if sent_ids:
                     self.num_resumes += 1
                     self.observer.migrated()
@@ -312,7 +317,9 @@ class Orchestrator:
                     "request %s: %s; attempt %d %s", request_id, exc, attempt, "resumes" if sent_ids else "retries"
                 )
 
-    async def _attempt(self, request: ServeRequest, deadline: float, parent: Any) -> AsyncGenerator[StreamDelta, None]:
+    async def _attempt(
+        self, request: ServeRequest, deadline: float, parent: Any, served_by: list[str] | None = None
+    ) -> AsyncGenerator[StreamDelta, None]:
         """One attempt. Decode's deltas are passed on as they come: its first token is out the moment
         the KV lands, not when prefill's reply reaches the router. Prefill's reply only matters
         before that (a failed hand-off ends the attempt now, not when the lease runs out) and for
@@ -338,6 +345,8 @@ class Orchestrator:
         measured = False  # the hand-off's overhead, for remote_prefill
         try:
             first = await self._next(stream, deadline)
+            if served_by is not None and first.replica_id:
+                served_by.append(first.replica_id)  # the decode replica Serve placed it on
             if isinstance(first, TicketIssued):
                 span.add_event("kv_ticket", {"decode_replica": first.replica_id})
                 assert self.prefill is not None, "a colocated pool issued a ticket"

@@ -58,12 +58,16 @@ class PolicyRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        request = _serve_request(pending_request)
+        if request is not None and request.avoid_replicas:
+            # An earlier attempt was lost there (dead, or stopped and still looking alive).
+            others = [r for r in candidate_replicas if r.replica_id.unique_id not in request.avoid_replicas]
+            candidate_replicas = others or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         reports = self._observe(candidate_replicas)
         in_flight = {
             r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas
         }
-        request = _serve_request(pending_request)
         request_id = request.request_id if request is not None else "-"
         try:
             placement = self.placement.place(request, reports, in_flight)

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from common.block_hash import SHORT_HASH_BYTES
 from common.errors import ConfigError, InvalidRequestError, OverloadedError
+from common.logs import setup_logging
 from common.serving import StreamDelta
 from common.tokenizer_files import generic_fast_tokenizer
 from common.tracing import extract, setup_tracing
@@ -317,6 +318,7 @@ class RouterServer:
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
         ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
+        setup_logging()
         setup_tracing(tracing[0], "pdserve-router", tracing[1])
 
         decode, prefill = _over_grpc(decode), _over_grpc(prefill)

@@ -15,7 +15,7 @@ from cluster.cluster_config import ClusterConfig, load_cluster_config
 
 MODEL = "SmolLM2-135M-Instruct"
 # Small KV budgets keep start-up quick; 16 MiB still holds ~350 tokens per shard of SmolLM2.
-# Payloads checked in tests (off by default in a deployment), by the keyed MAC: a corrupted transfer
+# Payloads are checked as shipped (kv_integrity's default, the keyed MAC): a corrupted transfer
 # must fail loudly here.
 # Disaggregated deployments here move every prompt's KV (the transports are what they test) unless
 # a test turns conditional disaggregation on itself.
@@ -24,7 +24,6 @@ BASE = {
     "kv_cache_memory": 32 * 2**20,
     "dtype": "float32",
     "router.kv_lease_s": 30.0,
-    "kv_integrity": "mac",
     "router.conditional_disaggregation": False,
     "health_check_period_s": 1.0,  # the shard drills wait for Serve to replace a failed replica
 }

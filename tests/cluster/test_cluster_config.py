@@ -443,6 +443,16 @@ def test_the_kv_integrity_modes_are_the_protocol_s():
     assert KV_INTEGRITY == INTEGRITY_MODES
 
 
+def test_kv_payloads_are_checked_by_default_and_a_failed_hand_off_recomputes():
+    config = load_cluster_config()
+    assert config.kv_integrity == "mac" and config.router.kv_load_failure_policy == "recompute"
+    assert (
+        load_cluster_config(overrides={"router.kv_load_failure_policy": "fail"}).router.kv_load_failure_policy == "fail"
+    )
+    with pytest.raises(ConfigError, match=r"kv_load_failure_policy='retry': use one of recompute, fail"):
+        load_cluster_config(overrides={"router.kv_load_failure_policy": "retry"})
+
+
 def test_a_pool_s_ray_resources_go_into_every_shard_s_bundle_and_bad_ones_are_refused():
     from cluster.app import _pool_deployment
 

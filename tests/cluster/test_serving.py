@@ -297,6 +297,79 @@ def test_disaggregated_greedy_matches_transformers(cluster, expected, transport)
     check_greedy(cluster, expected)
 
 
+def test_the_replicas_info_lines_reach_their_logs(cluster):
+    """Ray's worker processes configure no logging: the replicas' INFO lines (their readiness, the
+    kernels they chose) were dropped before common.logs."""
+    import re
+
+    import ray
+
+    cluster.ensure(**DISAGG)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # this driver's session
+    text = "".join(path.read_text(errors="replace") for path in logs.glob("worker-*.err"))
+    assert re.search(r" INFO decode_pool\.server: decode replica \S+ ready \(decode\)", text)
+    assert re.search(r" INFO prefill_pool\.server: prefill replica \S+ ready", text)
+    assert re.search(r" INFO engine\.", text)  # the engines' own start-up lines (kernels, layer stack)
+
+
+# Ray's own daemons, which bind every interface whatever pdserve asks (README "What Ray exposes").
+RAY_DAEMONS = (
+    "gcs_server",
+    "raylet",
+    "dashboard/agent.py",
+    "ray::DashboardAgent",
+    "runtime_env/agent/main.py",
+    "ray::RuntimeEnvAgent",
+    "log_monitor.py",
+    "monitor.py",
+)
+
+
+def _listeners_off_loopback() -> tuple[dict[int, list[str]], dict]:
+    """This session's processes (this driver and its descendants: Ray's daemons, the replicas, their
+    shards) -> their listening TCP sockets on any address but loopback."""
+    import ipaddress
+
+    import psutil
+
+    me = psutil.Process()
+    processes = {p.pid: p for p in [me, *me.children(recursive=True)]}
+    found: dict[int, list[str]] = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid not in processes:
+            continue
+        if ipaddress.ip_address(conn.laddr.ip.split("%")[0]).is_loopback:
+            continue
+        found.setdefault(conn.pid, []).append(f"{conn.laddr.ip}:{conn.laddr.port}")
+    return found, processes
+
+
+def test_nothing_of_pdserve_listens_off_loopback(cluster):
+    """A local cluster's sockets, listed: the router, the KV endpoints (auto: shm and tcp), the TP
+    rendezvous stores and gloo pairs all bind 127.0.0.1. What is left off loopback is Ray's: its
+    daemons, one gRPC port per Ray worker process (the core worker's: in every replica and shard and
+    in this driver) and, in a Serve replica, Serve's inter-deployment gRPC server (ray.serve's
+    replica.py binds "[::]:0" whatever the deployment asks)."""
+    cluster.ensure(**DISAGG)
+    assert complete(client(cluster), PROMPTS[0], stream=False)  # every listener is up
+    found, processes = _listeners_off_loopback()
+    replicas = 0
+    for pid, addresses in found.items():
+        command = " ".join(processes[pid].cmdline())
+        if any(daemon in command for daemon in RAY_DAEMONS):
+            continue
+        of_ray = 1 + command.startswith("ray::ServeReplica")
+        replicas += command.startswith("ray::ServeReplica:pdserve:")
+        assert len(addresses) == of_ray, f"{command[:120]} listens off loopback on {addresses}"
+    assert replicas >= 3  # the check saw the replicas' processes (router, prefill, decode)
+    import psutil
+
+    router = [
+        c.laddr.ip for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN" and c.laddr.port == cluster.port
+    ]
+    assert router == ["127.0.0.1"], router
+
+
 # --- under load, errors, disconnects (prefill TP=3 → decode TP=1 over shared memory) ------------
 def test_32_concurrent_streams_each_get_their_own_tokens(cluster, expected):
     cluster.ensure(**DISAGG, transport="shm")
@@ -470,18 +543,28 @@ def test_a_hundred_streaming_clients_gone_at_once_leak_nothing(cluster, expected
 
 
 @pytest.mark.chaos
-def test_a_prefill_tp_shard_killed_mid_prefill_fails_over_to_decode_until_serve_replaces_the_replica(cluster, expected):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_prefill_tp_shard_killed_mid_prefill_fails_over_to_decode_until_serve_replaces_the_replica(
+    cluster, expected, how
+):
     """The only prefill replica (TP=3) loses a shard process mid-prefill: its engine stops. The
     requests it held are retried on their decode replica, and so is every request while the
     replica is failed or being replaced: all answer exactly. Serve's health check replaces the
-    replica (new shard processes) within the bound below; then nothing is held anywhere."""
+    replica (new shard processes) within the bound below; then nothing is held anywhere. A shard
+    stopped (SIGSTOP: alive, silent, its sockets open) is found by its heartbeat going quiet
+    (shard_heartbeat_timeout_s, 10 s) and the replica fails as for a dead one."""
     cluster.ensure(**DISAGG, transport="shm")
-    (replica,) = cluster.status()["pools"]["prefill"]
-    old_shards = replica["shard_pids"]
+    deadline = time.monotonic() + 60
+    while True:  # a replica just deployed reports its shards' processes within a second or so
+        (replica,) = cluster.status()["pools"]["prefill"]
+        old_shards = replica["shard_pids"]
+        if len(old_shards) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(old_shards) == 2 and all(pid > 0 for pid in old_shards), replica
     retries_before = cluster.status()["retries"]
-    with long_prompts_in_flight(cluster, expected, 4, "Shard drill"):  # prefill busy for a second or more
-        os.kill(old_shards[-1], signal.SIGKILL)
+    with long_prompts_in_flight(cluster, expected, 4, f"Shard drill {how.name}"):  # prefill busy for a second or more
+        os.kill(old_shards[-1], how)
         killed = time.monotonic()
         # A request right after the kill answers exactly too. (Had the prompts been computed
         # before the kill, it is the step that finds the shard gone.)
@@ -744,8 +827,12 @@ def test_overload_is_refused_with_503_and_retry_after(cluster):
 
 
 @pytest.mark.chaos
-def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, expected):
-    cluster.ensure(**OPS)
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, expected, how):
+    """Killed, the stream's call fails and resumes on the other replica; stopped (SIGSTOP: alive and
+    silent, which Serve's health checks take ~100 s to replace), the router's inter-token watchdog
+    (router.inter_token_timeout_s, 5 s here) moves it there."""
+    cluster.ensure(**OPS, **({"router.inter_token_timeout_s": 5.0} if how == signal.SIGSTOP else {}))
     prompt, max_tokens = PROMPTS[2], 96
     chunks = client(cluster).completions.create(
         model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
@@ -758,9 +845,12 @@ def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, 
             (serving,) = [r["decode_replica"] for r in status["requests"]]
             (killed,) = [r["pid"] for r in status["pools"]["decode"] if r["replica_id"] == serving]
             assert killed > 0  # never os.kill(0, ...): that is this whole process group
-            os.kill(killed, signal.SIGKILL)
+            os.kill(killed, how)
+            stopped_at = time.monotonic()
     assert killed is not None
     assert "".join(text) == expected(prompt, max_tokens)
+    if how == signal.SIGSTOP:
+        assert time.monotonic() - stopped_at < 60  # the watchdog's 5 s and the rest of the stream
     status = cluster.status()
     assert status["resumes"] == 1
     cluster.wait_idle(timeout_s=180)  # Serve replaces the dead replica; the survivors hold nothing

@@ -706,6 +706,9 @@ def test_a_decode_replica_that_stalls_mid_stream_is_left_and_the_stream_resumes_
     assert decode.streams[0].cancelled and orchestrator.num_resumes == 1
     assert decode.streams[1].request.prompt_token_ids == [1, 2, 3, *TOKENS[:3]]
     assert time.monotonic() - started < 5
+    # The replica it stalled on ("d0", named by its ticket) is not placed on again: stopped, it
+    # still looks alive to Serve for seconds.
+    assert decode.streams[0].request.avoid_replicas == () and decode.streams[1].request.avoid_replicas == ("d0",)
 
 
 def test_the_watchdog_waits_no_longer_than_the_request_s_deadline():
