@@ -895,7 +895,11 @@ def test_scaling_each_pool_under_steady_load_fails_no_request(cluster, expected)
 
 
 @pytest.mark.chaos
-def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expected, tokenizer):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expected, tokenizer, how):
+    """Killed, the prefill call fails and the prompt is retried; stopped (SIGSTOP: alive and
+    silent), its prompts' KV never comes, the decode side's lease runs out (30 s here) and the
+    prompt is computed on decode, never sent to that replica again: every answer exact."""
     cluster.ensure(**{**OPS, "router.max_concurrent_requests": 64, "prefill.replicas": 2})
     status = cluster.status()
     deadline = time.monotonic() + 60
@@ -904,11 +908,13 @@ def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expect
         time.sleep(0.5)
         status = cluster.status()
     with long_prompts_in_flight(
-        cluster, expected, 6, "Replica drill"
+        cluster, expected, 6, f"Replica drill {how.name}"
     ):  # the prefill pool is busy for seconds with these
         victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
         assert victim["pid"] > 0  # never os.kill(0, ...): that is this whole process group
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(victim["pid"], how)
+        hit = time.monotonic()
+    assert time.monotonic() - hit < 2 * 30.0  # every prompt answered within twice the KV lease
     assert cluster.status()["retries"] >= 1
     cluster.wait_idle(timeout_s=180)
 
