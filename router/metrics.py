@@ -44,6 +44,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 # fmt: on
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *_REQUEST_BUCKETS)
 _KV_BYTES_BUCKETS = tuple(float(4**k) for k in range(8, 17))  # 64 KiB … 4 GiB
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class RouterMetrics:
@@ -126,6 +127,12 @@ class RouterMetrics:
             ("site",),
         )
         self._prefill_site = {site: prefill_site.labels(model_name, site) for site in ("local", "remote")}
+        self._loop_lag = histogram(
+            "pdserve:router_event_loop_lag_seconds",
+            "How late the router replica's event loop woke a probe sleeping 50 ms: time the loop was held by "
+            "work that should not run on it (router.loop_lag).",
+            _LOOP_LAG_BUCKETS,
+        )
         self._in_flight = Gauge(
             "pdserve:router_requests_in_flight", "Requests the router is serving.", labels, registry=r
         ).labels(model_name)
@@ -185,6 +192,9 @@ class RouterMetrics:
 
     def stalled(self) -> None:
         self._stalls.inc()
+
+    def loop_lag(self, seconds: float) -> None:
+        self._loop_lag.observe(seconds)
 
     def prefill_site(self, local: bool) -> None:
         self._prefill_site["local" if local else "remote"].inc()

@@ -39,11 +39,19 @@ from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorize
 from router.edge_guard import EdgeGuard, EdgePolicy
 from router.health import HealthCheck
 from router.http_listener import HttpListener
+from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, is_backpressure
+from router.parse_process import ParseProcess
 from router.planner import PlannerConfig
 from router.planner_loop import PlannerLoop
-from router.protocol import ApiError, ParsedRequest
+from router.prompt_bounds import (
+    PromptBounds,
+    check_length,
+    check_prompt_chars,
+    check_token_ids,
+)
+from router.protocol import ApiError, ParsedRequest, RequestKind
 from router.remote_prefill import RemotePrefillEstimator
 
 logger = logging.getLogger("pdserve.router")
@@ -55,6 +63,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 # A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
 # 30 MiB list of ids held every stream for seconds when it was checked on the event loop.
 PARSE_ON_LOOP_MAX_BYTES = 256 * 2**10
+# Past this, the body is parsed in the parse process: json.loads holds the GIL ~12 ms per MiB.
+PARSE_IN_PROCESS_MIN_BYTES = 2 * 2**20
 CHECK_IDS_ON_LOOP_MAX = 4096
 
 
@@ -154,46 +164,6 @@ def _rate_limited(exc: RateLimited) -> ApiError:
     return ApiError(429, str(exc), type=exc.limit, code="rate_limit_exceeded", headers=headers)
 
 
-def _context_length_exceeded(max_model_len: int, what: str, param: str = "prompt") -> InvalidRequestError:
-    return InvalidRequestError(
-        f"This model's maximum context length is {max_model_len} tokens; the prompt has {what} (the prompt "
-        "and at least one generated token must fit); shorten it.",
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
-def _check_prompt_chars(parsed: ParsedRequest, max_model_len: int, max_token_chars: int) -> None:
-    """Before tokenizing: a prompt whose characters could not fit in the context even if every
-    token were the vocabulary's longest is refused without spending the tokenizer's time on it."""
-    if parsed.kind == "chat":
-        assert parsed.messages is not None
-        if len(parsed.messages) >= max_model_len:  # the template gives each message a token at least
-            what = f"{len(parsed.messages)} messages: at least one token each"
-            raise _context_length_exceeded(max_model_len, what, "messages")
-        # Every string a message carries (content parts, names, tool calls) reaches the template.
-        chars = sum(_characters(message) for message in parsed.messages)
-        where, param = "characters in its messages", "messages"
-    elif isinstance(parsed.prompt, str):
-        chars, where, param = len(parsed.prompt), "characters", "prompt"
-    else:
-        return
-    if chars > max_model_len * max_token_chars:
-        what = f"{chars} {where}: more tokens than that, as no token is over {max_token_chars} characters"
-        raise _context_length_exceeded(max_model_len, what, param)
-
-
-def _characters(value: Any) -> int:
-    """The characters of every string in a decoded JSON value (keys included)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(len(key) + _characters(item) for key, item in value.items())
-    if isinstance(value, list):
-        return sum(_characters(item) for item in value)
-    return 0
-
-
 def _load_tokenizer(model_dir: str) -> Any:
     """The generic fast class where it loads the same tokenizer (common.tokenizer_files): ~1.8 s
     less at start than AutoTokenizer, which imports transformers' model configurations."""
@@ -206,13 +176,9 @@ def _load_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _decode_and_parse(raw: bytes, parse: Callable[[object, str], ParsedRequest], served_model: str) -> ParsedRequest:
+def _decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
+    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
     return parse(protocol.decode_body(raw), served_model)
-
-
-def _check_length(prompt_ids: list[int], max_model_len: int) -> None:
-    if len(prompt_ids) >= max_model_len:
-        raise _context_length_exceeded(max_model_len, f"{len(prompt_ids)} tokens")
 
 
 def _refusal(exc: Exception) -> ApiError:
@@ -336,6 +302,9 @@ class RouterServer:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
         # Large bodies' JSON and long token-id lists: off the loop, and not queued behind prompts.
         self._parse_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse")
+        # Bodies past PARSE_IN_PROCESS_MIN_BYTES: their parse would hold the GIL, so the loop.
+        self.parse_process = ParseProcess(timeout_s=body_timeout_s)
+        self._parse_process_start = asyncio.get_running_loop().create_task(self.parse_process.start())
         from router.routing_state import latest_reports, placement, takes_requests
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
@@ -384,6 +353,8 @@ class RouterServer:
                 self.metrics.slo_window = self.planner.window
                 self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
                 logger.info("SLO planner on: %s", planner_config)
+        self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
+        self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
             self._app(),
@@ -423,6 +394,12 @@ class RouterServer:
         listener = getattr(self, "listener", None)  # None: the constructor failed before it
         if listener is not None:
             await listener.stop()
+        probe = getattr(self, "_loop_lag_task", None)
+        if probe is not None:
+            probe.cancel()
+        parse_process = getattr(self, "parse_process", None)
+        if parse_process is not None:
+            await parse_process.close()
         for name in ("_tokenizer_thread", "_parse_thread"):
             thread = getattr(self, name, None)
             if thread is not None:
@@ -484,6 +461,7 @@ class RouterServer:
             "retries": self.orchestrator.num_retries,
             "resumes": self.orchestrator.num_resumes,
             "planner": self.planner.status() if self.planner is not None else None,
+            "event_loop_lag_max_s": self.loop_lag.worst_recent_s(),  # the last minute's worst
         }
 
     async def scale(self, request: Request) -> Any:
@@ -523,12 +501,12 @@ class RouterServer:
 
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._handle(request, protocol.parse_completion_request)
+        return await self._handle(request, "completion")
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._handle(request, protocol.parse_chat_request)
+        return await self._handle(request, "chat")
 
-    async def _handle(self, request: Request, parse) -> Response:
+    async def _handle(self, request: Request, kind: RequestKind) -> Response:
         internal_id, request_id = _request_ids(request)
         started = time.monotonic()
         admission = None
@@ -544,17 +522,21 @@ class RouterServer:
             admitting = True
             admission = self.tenant_gate.admit(tenant) if tenant is not None else None
             raw = await _read_body(request, self.max_body_bytes, self.body_timeout_s)
+            if len(raw) > PARSE_IN_PROCESS_MIN_BYTES:
+                # Parsing it here would hold the GIL, so the loop, for as long (router.parse_process).
+                bounds = PromptBounds(await self._max_model_len(), self.max_token_chars, self.vocab_size)
+                raw = await self.parse_process.reduce(raw, kind, self.served_model, bounds)
             parsed: ParsedRequest
             if len(raw) > PARSE_ON_LOOP_MAX_BYTES:
-                work = functools.partial(_decode_and_parse, raw, parse, self.served_model)
+                work = functools.partial(_decode_and_parse, raw, kind, self.served_model)
                 parsed = await asyncio.get_running_loop().run_in_executor(self._parse_thread, work)
             else:
-                parsed = _decode_and_parse(raw, parse, self.served_model)
+                parsed = _decode_and_parse(raw, kind, self.served_model)
             parsed = self._within_max_tokens_limit(parsed)
             max_model_len = await self._max_model_len()
-            _check_prompt_chars(parsed, max_model_len, self.max_token_chars)
+            check_prompt_chars(parsed, max_model_len, self.max_token_chars)
             prompt_ids, prompt_text = await self._tokenize_off_loop(parsed)
-            _check_length(prompt_ids, max_model_len)
+            check_length(prompt_ids, max_model_len)
             # As OpenAI does: no more tokens than the context has room for after the prompt.
             max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
             parsed = dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
@@ -702,8 +684,7 @@ class RouterServer:
                 raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
             return self.tokenizer.encode(parsed.prompt), parsed.prompt
         ids = list(parsed.prompt or [])
-        if not ids or any(not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", param="prompt")
+        check_token_ids(ids, self.vocab_size)
         return ids, None
 
     async def _tokenize_off_loop(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
