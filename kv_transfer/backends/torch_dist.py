@@ -5,8 +5,9 @@ in the same process). Each ``serve`` starts a TCPStore; a sender's channel pairs
 first use, and replicas come and go without anyone knowing the set in advance.
 
     sender channel (rank 1)                            receiver endpoint (rank 0)
-    id = add("pairs/next", 1); set(pair/id/hello)  ──▶ accept thread: verdict (ok | refused: full, or
-      (hello: where its KV is, and the signed header      the header is not authentic)
+    id = 128 random bits; set(pair/id/hello);       ──▶ accept thread pops ids: verdict (ok | refused:
+      queue_push(pairs/queue, id)                       full, or the header is not authentic)
+      (hello: where its KV is, and the signed header
        of the chunk it pairs to send)
     ProcessGroupGloo(PrefixStore("pair/id"), 1, 2) ◀─▶ pair thread: ProcessGroupGloo(..., 0, 2)
     per chunk:  head [sizes, deadline | header]    ──▶ sizes checked before allocating
@@ -34,11 +35,15 @@ Trust: gloo trusts its peer. A message larger than the receive posted for it abo
 process inside gloo (an enforce, not an exception). So pairing is authenticated: the hello carries
 the header of the chunk the sender pairs to send, signed with its ticket's secret, and a pair is
 made only for a sender that holds a live ticket here. The store itself (torch's TCPStore) takes
-writes from anyone who reaches it: a counter pushed far ahead (``add("pairs/next", 10**6)``) costs
-the pairs behind it one pairing deadline, after which the accept thread finds the newest announced
-hello. Every chunk is still authenticated before any receive into the cache is posted, and a sender
-sends in place only pieces of the receiver's block size. Serve this backend on loopback or a
-trusted network; gRPC checks every byte it is sent.
+writes from anyone who reaches it, so pairing depends on nothing a stranger can push out of the
+way: each sender announces a random id of its own on a queue, and the accept thread pops ids and
+answers those with a hello, skipping any other at the cost of a store round trip (7f34ac8 paired by
+a shared counter, which ``add("pairs/next", 10**6)`` pushed past every waiting sender: each push
+stalled pairing for a deadline, and pushes every half second stopped it). Every chunk is still
+authenticated before any receive into the cache is posted, and a sender sends in place only pieces
+of the receiver's block size. A stranger who can reach the store can still delete or pop what
+senders write there: serve this backend on loopback or a trusted network; gRPC checks every byte
+it is sent.
 
 Host payloads travel over gloo; a CUDA payload for a CUDA receiver travels over NCCL, in a second
 group of the same pair, made at pairing when both ends hold GPU caches (the sender's hello says
@@ -55,9 +60,12 @@ sender re-pairs once its pair has idled half that long, so it never sends into a
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import logging
+import re
+import secrets
 import socket
 import struct
 import threading
@@ -79,10 +87,9 @@ from kv_transfer.transport import KVChannel, KVTransport, TransferRefused
 
 logger = logging.getLogger(__name__)
 
-_NEXT_ID = "pairs/next"
-# Ids looked through for an announced hello when the next one in turn never came (a sender that
-# died between taking its id and announcing it, or a counter pushed ahead by a stranger).
-_STALL_SCAN = 64
+_QUEUE = "pairs/queue"  # senders' pair ids, in the order they announced them
+_PAIR_ID = re.compile(r"[0-9a-f]{32}")
+_RECENT_IDS = 4096  # ids admitted lately: one pushed again (by anyone) is not admitted twice
 _HEAD = struct.Struct("<5q")  # header_len, payload_len, timeout_ms, payload_on_device, pieces; then the header
 _HEAD_BYTES = 2048
 _MAX_HEADER = _HEAD_BYTES - _HEAD.size
@@ -199,7 +206,7 @@ class _Pair:
     """One end of a pair's groups: receiver rank 0, sender rank 1. Gloo always; NCCL for CUDA payloads."""
 
     def __init__(
-        self, store: dist.Store, pair_id: int, rank: int, local_host: str, timeout_s: float, nccl_timeout_s: float
+        self, store: dist.Store, pair_id: str, rank: int, local_host: str, timeout_s: float, nccl_timeout_s: float
     ) -> None:
         self.store = store
         self.pair_id = pair_id
@@ -292,17 +299,6 @@ class _Pair:
         self._gloo = self._nccl = None
 
 
-def _next_announced(store: dist.TCPStore, stalled_id: int, counter: int) -> int:
-    """The id to wait on after ``stalled_id`` never announced: the first announced one of the
-    newest ``_STALL_SCAN`` ids (a counter pushed far ahead leaves those behind it unannounced), else
-    the newest (its sender may be about to announce it), else the one after it."""
-    first = max(stalled_id + 1, counter - _STALL_SCAN + 1)
-    for pair_id in range(first, counter + 1):
-        if store.check([f"pair/{pair_id}/hello"]):
-            return pair_id
-    return counter if counter > stalled_id else counter + 1
-
-
 def _send_verdict(pair: _Pair, buf: torch.Tensor, status: int, reason: str, deadline: float) -> None:
     data = reason.encode()[: _VERDICT_BYTES - _VERDICT.size]
     view = memoryview(buf.numpy())
@@ -351,8 +347,9 @@ class _Endpoint:
         )
         self.stopped = threading.Event()
         self._lock = threading.Lock()
-        self._pairs: dict[int, threading.Thread] = {}
-        self._nccl_pairs: set[int] = set()  # pairs with an NCCL communicator
+        self._pairs: dict[str, threading.Thread] = {}
+        self._nccl_pairs: set[str] = set()  # pairs with an NCCL communicator
+        self.num_ids_skipped = 0  # ids popped with no hello behind them (junk, or pushed twice)
         self._accept = threading.Thread(target=self._accept_loop, name=f"kv-torch-accept-{self.port}", daemon=True)
         self._accept.start()
         with _live_lock:
@@ -366,24 +363,26 @@ class _Endpoint:
     def _accept_loop(self) -> None:
         store = self.store
         assert store is not None
-        next_id, stalled_since = 1, None
+        recent: collections.deque[str] = collections.deque(maxlen=_RECENT_IDS)
         try:
-            while not self.stopped.wait(_ACCEPT_POLL_S):
-                if store.check([f"pair/{next_id}/hello"]):
-                    self._admit(store, next_id)
-                    next_id, stalled_since = next_id + 1, None
-                elif (counter := store.add(_NEXT_ID, 0)) > next_id:
-                    # A sender that took an id and died before announcing it, or a counter pushed
-                    # ahead, must not block those after it: past the deadline, go on from the first
-                    # announced id among the newest, or wait on the newest.
-                    stalled_since = stalled_since or time.monotonic()
-                    if time.monotonic() - stalled_since > self.config.connect_timeout_s / 2:
-                        next_id, stalled_since = _next_announced(store, next_id, counter), None
+            while not self.stopped.is_set():
+                try:
+                    raw = store.queue_pop(_QUEUE, False)
+                except dist.QueueEmptyError:
+                    self.stopped.wait(_ACCEPT_POLL_S)
+                    continue
+                pair_id = raw.decode("ascii", errors="replace") if isinstance(raw, bytes) else str(raw)
+                # Anything but a hello's id (a stranger's push) costs one round trip, and no wait.
+                if _PAIR_ID.fullmatch(pair_id) and pair_id not in recent and store.check([f"pair/{pair_id}/hello"]):
+                    recent.append(pair_id)
+                    self._admit(store, pair_id)
+                else:
+                    self.num_ids_skipped += 1
         except Exception:
             if not self.stopped.is_set():
                 logger.exception("torch KV transport on port %d stopped accepting", self.port)
 
-    def _admit(self, store: dist.TCPStore, pair_id: int) -> None:
+    def _admit(self, store: dist.TCPStore, pair_id: str) -> None:
         cfg = self.config
         thread = None
         try:  # where the sender holds its KV, and the signed header of its first chunk
@@ -393,7 +392,7 @@ class _Endpoint:
         hello = hello if isinstance(hello, dict) else {}
         refused = self._unauthentic(hello.get("header"))
         if refused is not None:
-            logger.warning("torch KV transport on port %d refused pair %d: %s", self.port, pair_id, refused)
+            logger.warning("torch KV transport on port %d refused pair %s: %s", self.port, pair_id, refused)
             store.set(f"pair/{pair_id}/verdict", msgpack.packb({"ok": False, "refused": True, "reason": refused}))
             return
         legacy = "device" not in hello  # its GPU payloads make the NCCL group lazily, on first use
@@ -413,7 +412,7 @@ class _Endpoint:
                     self._nccl_pairs.add(pair_id)
         if thread is None:
             logger.warning(
-                "torch KV transport on port %d refused pair %d: %d pairs open", self.port, pair_id, cfg.max_pairs
+                "torch KV transport on port %d refused pair %s: %d pairs open", self.port, pair_id, cfg.max_pairs
             )
             verdict = {"ok": False, "reason": f"receiver at its limit of {cfg.max_pairs} concurrent pairs"}
         else:
@@ -440,7 +439,7 @@ class _Endpoint:
             return f"unreadable header: {type(exc).__name__}"
         return None
 
-    def _pair_loop(self, pair_id: int, mode: str, idle_s: float) -> None:
+    def _pair_loop(self, pair_id: str, mode: str, idle_s: float) -> None:
         run_tensor_ops_serially()  # lands KV: the engine thread owns the process's OpenMP team
         pair = None
         try:
@@ -453,9 +452,9 @@ class _Endpoint:
                     pair.connect_nccl(self.device, time.monotonic() + self.config.connect_timeout_s)
                 self._serve_pair(pair, mode != _NO_NCCL, idle_s)
         except (TimeoutError, ConnectionError, RuntimeError) as exc:  # the sender left, died or broke the protocol
-            logger.debug("torch KV pair %d on port %d closed: %s", pair_id, self.port, exc)
+            logger.debug("torch KV pair %s on port %d closed: %s", pair_id, self.port, exc)
         except Exception:
-            logger.exception("torch KV pair %d on port %d failed", pair_id, self.port)
+            logger.exception("torch KV pair %s on port %d failed", pair_id, self.port)
         finally:
             if pair is not None:
                 pair.close()
@@ -750,7 +749,7 @@ class _TorchDistChannel(KVChannel):
         self._nccl = gpu is not None and bool(verdict.get("nccl", verdict["device"] == "cuda"))
         self._last_used = time.monotonic()
 
-    def _handshake(self, hello: dict, end: float) -> tuple[dist.TCPStore, int, dict]:
+    def _handshake(self, hello: dict, end: float) -> tuple[dist.TCPStore, str, dict]:
         """The store's part of pairing, on a thread of its own bounded by ``end``: a TCPStore client
         waits without limit for a receiver that accepted the connection and then stopped answering
         (SIGSTOP, a wedged host), whatever timeout it is given. A handshake left behind ends when
@@ -760,8 +759,9 @@ class _TorchDistChannel(KVChannel):
         def handshake() -> None:
             try:
                 store = dist.TCPStore(self.host, self.port, is_master=False, timeout=_td(end - time.monotonic()))
-                pair_id = store.add(_NEXT_ID, 1)
+                pair_id = secrets.token_hex(16)
                 store.set(f"pair/{pair_id}/hello", msgpack.packb(hello))
+                store.queue_push(_QUEUE, pair_id)
                 verdict_key = f"pair/{pair_id}/verdict"
                 store.wait([verdict_key], _td(max(0.001, end - time.monotonic())))
                 verdict = msgpack.unpackb(store.get(verdict_key))

@@ -8,7 +8,9 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import os
+import secrets
 import signal
+import threading
 import time
 
 import pytest
@@ -280,8 +282,9 @@ def _pair_by_hand(endpoint: str, hello: bytes) -> dict:
 
     host, _, port = endpoint.removeprefix("torch://").rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
-    pair_id = store.add("pairs/next", 1)
+    pair_id = secrets.token_hex(16)
     store.set(f"pair/{pair_id}/hello", hello)
+    store.queue_push("pairs/queue", pair_id)
     store.wait([f"pair/{pair_id}/verdict"], datetime.timedelta(seconds=10))
     return msgpack.unpackb(store.get(f"pair/{pair_id}/verdict"))
 
@@ -317,21 +320,38 @@ def test_only_a_sender_holding_a_ticket_pairs_and_nccl_only_with_kv_on_gpus_at_b
     channel.close()
 
 
-def test_a_pair_counter_pushed_ahead_by_a_stranger_delays_pairing_by_one_deadline(transports):
-    """One unauthenticated write to the store (7f34ac8: it blocked every later pairing for good)."""
+def test_strangers_writing_to_the_pairing_store_do_not_hold_pairing_up(transports):
+    """Unauthenticated writes to the store, every 50 ms, from before the sender pairs until its
+    transfer is done: the old pair counter pushed a million ahead (7f34ac8 paired by that counter:
+    one push stalled pairing for a deadline, pushes every half second stopped it), ids announced with
+    no hello behind them, and bytes that are no id at all. Pairing skips them and the transfer lands."""
     import torch.distributed as dist
+
+    stop, rounds = threading.Event(), []
 
     def poison(ticket) -> None:
         host, _, port = ticket.receiver_endpoints[0].removeprefix("torch://").rpartition(":")
         stranger = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
-        stranger.add("pairs/next", 10**6)
 
-    started = time.monotonic()
-    receivers, senders, ticket, full, dst, src_blocks = transfer(
-        transports(connect_timeout_s=4.0), 1, 1, before_send=poison
-    )
-    states = wait_terminal([lambda: receivers[0].poll("req-1"), lambda: senders[0].poll("req-1")])
+        def keep_at_it() -> None:
+            while not stop.wait(0.05):
+                stranger.add("pairs/next", 10**6)
+                stranger.queue_push("pairs/queue", secrets.token_hex(16))
+                stranger.queue_push("pairs/queue", b"\xff not an id")
+                rounds.append(1)
+
+        threading.Thread(target=keep_at_it, daemon=True).start()
+        while len(rounds) < 3:
+            time.sleep(0.02)
+
+    transport = transports(connect_timeout_s=4.0)
+    try:
+        receivers, senders, ticket, full, dst, src_blocks = transfer(transport, 1, 1, before_send=poison)
+        states = wait_terminal([lambda: receivers[0].poll("req-1"), lambda: senders[0].poll("req-1")])
+    finally:
+        stop.set()
     assert all(s.state is TransferState.DONE for s in states), [(s.state, s.reason) for s in states]
     assert_bit_exact(full, dst, src_blocks, ticket.block_ids, ticket.num_blocks)
-    assert time.monotonic() - started < 15.0  # about half a pairing deadline of stall, then found
+    (endpoint,) = transport._endpoints
+    assert endpoint.num_ids_skipped >= 6  # the stranger's ids were popped and passed over
     senders[0].close()
