@@ -436,7 +436,8 @@ def build_app(
     router_options = {
         "name": "router",
         "num_replicas": 1,
-        "ray_actor_options": {"num_cpus": 0},
+        "ray_actor_options": {"num_cpus": 0}
+        | ({"resources": dict(config.router.ray_resources)} if config.router.ray_resources else {}),
         "max_ongoing_requests": config.router.max_concurrent_requests * 2,
         # Beyond the router's own drain (request_timeout_s): Serve's steps before it take some, and
         # the streams it cancels at its end must still reach the pools.
@@ -600,6 +601,8 @@ def resources_needed(config: ClusterConfig) -> dict[str, float]:
         spec = config.pool(pool)
         for resource, amount in (spec.ray_resources or {}).items():
             needed[resource] = needed.get(resource, 0.0) + amount * spec.replicas * spec.tensor_parallel_size
+    for resource, amount in (config.router.ray_resources or {}).items():
+        needed[resource] = needed.get(resource, 0.0) + amount
     return needed
 
 

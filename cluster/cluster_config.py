@@ -86,21 +86,7 @@ class PoolConfig:
         if self.max_ongoing_requests < 1:
             raise ConfigError(f"max_ongoing_requests={self.max_ongoing_requests} must be >= 1")
         ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
-        if self.ray_resources is not None and not (
-            isinstance(self.ray_resources, dict)
-            and all(
-                isinstance(name, str)
-                and name
-                and name not in ("CPU", "GPU", "memory", "object_store_memory")
-                and _positive(amount)
-                and (amount <= 1 or float(amount).is_integer())  # type: ignore[operator]  # Ray's rule
-                for name, amount in self.ray_resources.items()
-            )
-        ):
-            raise ConfigError(
-                f"ray_resources={self.ray_resources!r} must map custom resource names to amounts > 0, "
-                "whole numbers above 1 (CPU and GPU come from cpus_per_shard and the device)"
-            )
+        _check_ray_resources(self.ray_resources, "CPU and GPU come from cpus_per_shard and the device")
         if self.cores is not None and self.cores < self.tensor_parallel_size:
             raise ConfigError(
                 f"cores={self.cores} is fewer than tensor_parallel_size={self.tensor_parallel_size}: "
@@ -118,6 +104,24 @@ class PoolConfig:
             max_decode_stall_s=self.max_decode_stall_s,
             overlap_outputs=self.overlap_outputs,
             async_scheduling=self.async_scheduling,
+        )
+
+
+def _check_ray_resources(resources: object, where_cpus_come_from: str) -> None:
+    if resources is not None and not (
+        isinstance(resources, dict)
+        and all(
+            isinstance(name, str)
+            and name
+            and name not in ("CPU", "GPU", "memory", "object_store_memory")
+            and _positive(amount)
+            and (amount <= 1 or float(amount).is_integer())  # type: ignore[operator]  # Ray's rule
+            for name, amount in resources.items()
+        )
+    ):
+        raise ConfigError(
+            f"ray_resources={resources!r} must map custom resource names to amounts > 0, "
+            f"whole numbers above 1 ({where_cpus_come_from})"
         )
 
 
@@ -165,8 +169,12 @@ class RouterConfig:
     # goodput (README). False: every prompt goes to the prefill pool (DistServe's experiments).
     conditional_disaggregation: bool = True
     local_prefill_max_stall_s: float = 0.05
+    # Ray custom resources the router replica asks for, e.g. {"ingress": 0.01}: keeps it on the node
+    # that clients reach (it listens on that node's address; it takes no CPU of the pools').
+    ray_resources: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
+        _check_ray_resources(self.ray_resources, "the router asks for no CPU")
         if not self.placement_policy:
             raise ConfigError("placement_policy='' is empty; name a policy such as 'cache_aware'")
         if self.kv_lease_per_token_s < 0:

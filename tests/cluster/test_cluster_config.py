@@ -45,7 +45,8 @@ def test_example_file_loads_and_names_every_key():
     for key in config.to_dict():
         assert f"\n{key}:" in text, key
     for key in PoolConfig.__dataclass_fields__:
-        assert text.count(f"  {key}:") == 3, key
+        # Once per pool (router.ray_resources shares its name with the pools' key).
+        assert text.count(f"  {key}:") == 3 + (key in RouterConfig.__dataclass_fields__), key
     for key in RouterConfig.__dataclass_fields__:
         assert f"  {key}:" in text, key
 
@@ -469,6 +470,22 @@ def test_a_pool_s_ray_resources_go_into_every_shard_s_bundle_and_bad_ones_are_re
     for bad in ({"CPU": 2}, {"node": 0}, {"node": "one"}, ["node"], {"": 1}, {"node": 1.5}, {"object_store_memory": 1}):
         with pytest.raises(ConfigError, match="ray_resources"):
             load_cluster_config(overrides={"prefill.ray_resources": bad})
+
+
+def test_the_router_s_ray_resources_go_into_its_actor_options_and_bad_ones_are_refused(smol_dir):
+    from cluster.app import build_app, resources_needed
+
+    config = load_cluster_config(overrides={"mode": "disagg", "router.ray_resources": {"ingress": 0.01}})
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+    router = build_app(config, model_dir=str(smol_dir))._bound_deployment
+    assert router.name == "router"
+    assert router.ray_actor_options == {"num_cpus": 0, "resources": {"ingress": 0.01}}
+    assert resources_needed(config)["ingress"] == 0.01
+    plain = build_app(load_cluster_config(overrides={"mode": "disagg"}), model_dir=str(smol_dir))._bound_deployment
+    assert plain.ray_actor_options == {"num_cpus": 0}
+    for bad in ({"CPU": 1}, {"ingress": 0}, {"ingress": 1.5}):
+        with pytest.raises(ConfigError, match="ray_resources"):
+            load_cluster_config(overrides={"router.ray_resources": bad})
 
 
 def test_kv_host_node_is_accepted_for_every_transport_and_reaches_the_connector():
