@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.pdserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test chaos test-fast lint format bench prepare-model clean
+.PHONY: install serve test chaos net-tools test-fast lint format bench prepare-model clean
 
 install: $(STAMP)
 
@@ -31,10 +31,22 @@ test: install
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not chaos" $(PYTEST_ARGS)
 
-# The failure drills (replicas, shards and KV processes killed or stopped, corrupted KV, bursts):
-# CI's second stage, after make test.
-chaos: install
+# The failure drills (replicas, shards and KV processes killed or stopped, corrupted KV, bursts,
+# hostile clients, network faults): CI's second stage, after make test.
+chaos: install net-tools
 	$(PY) -m pytest -m chaos $(PYTEST_ARGS)
+
+# The network drill (tests/cluster/test_network_faults.py) shapes a link between two network
+# namespaces: ip, tc and ss (Debian's iproute2) and iptables, installed here where missing and
+# where we may (root with apt); elsewhere that drill says what it lacks and is skipped.
+net-tools:
+	@if ! command -v ip >/dev/null || ! command -v tc >/dev/null || ! command -v ss >/dev/null \
+	    || ! command -v iptables >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q iproute2 iptables >/dev/null \
+	      || { apt-get update -q >/dev/null && apt-get install -y -q iproute2 iptables >/dev/null; }; \
+	  else echo "net-tools: iproute2 or iptables missing, and not root with apt: the network drill will skip"; fi; \
+	fi
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
