@@ -35,8 +35,18 @@ from common.serving import StreamDelta
 from common.tokenizer_files import generic_fast_tokenizer
 from common.tracing import extract, setup_tracing
 from router import protocol
-from router.auth import Admission, KeyRing, RateLimited, TenantGate, Unauthorized, retry_after_header, tenant_salt
+from router.auth import (
+    Admission,
+    KeyRing,
+    RateLimited,
+    Tenant,
+    TenantGate,
+    Unauthorized,
+    retry_after_header,
+    tenant_salt,
+)
 from router.edge_guard import EdgeGuard, EdgePolicy
+from router.fair_queue import FairQueue
 from router.health import HealthCheck
 from router.http_listener import HttpListener
 from router.loop_lag import LoopLagProbe
@@ -298,8 +308,9 @@ class RouterServer:
         # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
         self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
         # One thread: tokenizing (long for a long prompt) stays off the event loop, and no two
-        # encodes run at once in one fast tokenizer (each borrows its Rust state mutably).
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
+        # encodes run at once in one fast tokenizer (each borrows its Rust state mutably). Tenants
+        # take turns on it (router.fair_queue): one tenant's queue of long prompts holds no other.
+        self._tokenizer = FairQueue("pdserve-tokenize")
         # Large bodies' JSON and long token-id lists: off the loop, and not queued behind prompts.
         self._parse_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse")
         # Bodies past PARSE_IN_PROCESS_MIN_BYTES: their parse would hold the GIL, so the loop.
@@ -400,10 +411,12 @@ class RouterServer:
         parse_process = getattr(self, "parse_process", None)
         if parse_process is not None:
             await parse_process.close()
-        for name in ("_tokenizer_thread", "_parse_thread"):
-            thread = getattr(self, name, None)
-            if thread is not None:
-                thread.shutdown(wait=False, cancel_futures=True)
+        tokenizer = getattr(self, "_tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.shutdown()
+        parse_thread = getattr(self, "_parse_thread", None)
+        if parse_thread is not None:
+            parse_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- plain endpoints -------------------------------------------------------------------
     async def models(self, request: Request) -> Any:
@@ -535,7 +548,7 @@ class RouterServer:
             parsed = self._within_max_tokens_limit(parsed)
             max_model_len = await self._max_model_len()
             check_prompt_chars(parsed, max_model_len, self.max_token_chars)
-            prompt_ids, prompt_text = await self._tokenize_off_loop(parsed)
+            prompt_ids, prompt_text = await self._tokenize_off_loop(parsed, tenant)
             check_length(prompt_ids, max_model_len)
             # As OpenAI does: no more tokens than the context has room for after the prompt.
             max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
@@ -687,12 +700,13 @@ class RouterServer:
         check_token_ids(ids, self.vocab_size)
         return ids, None
 
-    async def _tokenize_off_loop(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
+    async def _tokenize_off_loop(self, parsed: ParsedRequest, tenant: Tenant | None) -> tuple[list[int], str | None]:
         if parsed.kind == "completion" and not isinstance(parsed.prompt, str):
             if len(parsed.prompt or []) <= CHECK_IDS_ON_LOOP_MAX:
                 return self._tokenize(parsed)  # token ids: only their range is checked
             return await asyncio.get_running_loop().run_in_executor(self._parse_thread, self._tokenize, parsed)
-        job = self._tokenizer_thread.submit(self._tokenize, parsed)
+        # No keys (tenant None): one queue for every client.
+        job = self._tokenizer.submit(tenant.name if tenant is not None else "", self._tokenize, parsed)
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:

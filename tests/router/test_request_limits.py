@@ -121,7 +121,7 @@ def test_tokenizing_runs_off_the_event_loop_and_counts_against_admission(serve):
         release.set()
         status, _, answer = await held
         assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
-        assert threads == ["pdserve-tokenize_0"]
+        assert threads == ["pdserve-tokenize"]
         assert server.num_admitting == 0 and server.num_in_flight == 0
 
     serve(scenario, max_concurrent_requests=1)
@@ -147,7 +147,7 @@ def test_a_request_cancelled_mid_tokenizing_keeps_its_place_until_the_tokenizer_
     async def scenario(server, request):
         entered, release = hold_tokenizer(server)
         parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
-        task = asyncio.ensure_future(server._tokenize_off_loop(parsed))
+        task = asyncio.ensure_future(server._tokenize_off_loop(parsed, None))
         assert await asyncio.to_thread(entered.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -217,9 +217,9 @@ def test_a_request_that_leaves_while_waiting_for_the_tokenizer_gives_its_place_b
     async def scenario(server, request):
         entered, release = hold_tokenizer(server)
         parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
-        busy = asyncio.ensure_future(server._tokenize_off_loop(parsed))
+        busy = asyncio.ensure_future(server._tokenize_off_loop(parsed, None))
         assert await asyncio.to_thread(entered.wait, 30)
-        queued = asyncio.ensure_future(server._tokenize_off_loop(parsed))
+        queued = asyncio.ensure_future(server._tokenize_off_loop(parsed, None))
         await asyncio.sleep(0.05)
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
