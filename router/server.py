@@ -19,8 +19,7 @@ import functools
 import logging
 import os
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -38,20 +37,30 @@ from router import protocol
 from router.auth import (
     Admission,
     KeyRing,
-    RateLimited,
     Tenant,
     TenantGate,
     Unauthorized,
-    retry_after_header,
     tenant_salt,
 )
 from router.edge_guard import EdgeGuard, EdgePolicy
 from router.fair_queue import FairQueue
 from router.health import HealthCheck
+from router.http_edge import (
+    ClientLeft,
+    RequestIds,
+    error_response,
+    failed,
+    http_error,
+    read_body,
+    refusal,
+    request_ids,
+    unauthorized,
+    unless_client_left,
+)
 from router.http_listener import HttpListener
 from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, is_backpressure
+from router.orchestrator import Orchestrator
 from router.parse_process import ParseProcess
 from router.planner import PlannerConfig
 from router.planner_loop import PlannerLoop
@@ -61,13 +70,12 @@ from router.prompt_bounds import (
     check_prompt_chars,
     check_token_ids,
 )
-from router.protocol import ApiError, ParsedRequest, RequestKind
+from router.protocol import ParsedRequest, RequestKind
 from router.remote_prefill import RemotePrefillEstimator
 
 logger = logging.getLogger("pdserve.router")
 _T = TypeVar("_T")
 _POOL_CALL_TIMEOUT_S = 10.0
-_REQUEST_ID_KEY = "pdserve.request_id"
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 # A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
@@ -76,102 +84,6 @@ PARSE_ON_LOOP_MAX_BYTES = 256 * 2**10
 # Past this, the body is parsed in the parse process: json.loads holds the GIL ~12 ms per MiB.
 PARSE_IN_PROCESS_MIN_BYTES = 2 * 2**20
 CHECK_IDS_ON_LOOP_MAX = 4096
-
-
-class _RequestIds:
-    """ASGI middleware: the request's id (the client's X-Request-Id, else a fresh one) in the scope,
-    and on every response, errors and 404s included."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
-        request_id = given.decode("latin-1")[:128] or uuid.uuid4().hex
-        scope[_REQUEST_ID_KEY] = request_id
-        header = (b"x-request-id", request_id.encode("latin-1"))
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-def _request_ids(request: Request) -> tuple[str, str]:
-    """(internal id, the request id of the X-Request-Id header); internal ids stay unique per pool."""
-    return uuid.uuid4().hex, request.scope.get(_REQUEST_ID_KEY, "")
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The whole body, within ``limit`` bytes and ``timeout_s`` seconds: a client that sends its
-    body slowly, or stops, must not hold an admission slot (408, and the connection closes)."""
-    declared = request.headers.get("content-length", "")
-    # Closing: the server would otherwise read (and drop) the rest of the body.
-    closing = {"connection": "close"}
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large", headers=closing)
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
-                chunks.append(chunk)
-    except TimeoutError:
-        message = f"the request body was not whole within {timeout_s:g} s ({size} bytes came); send it faster"
-        raise ApiError(408, message, code="request_timeout", headers=closing) from None
-    return b"".join(chunks)
-
-
-class _ClientLeft(Exception):
-    """The client closed its connection before its response started."""
-
-
-async def _disconnected(request: Request) -> None:
-    # Once the body is read, the next ASGI message is the client's disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_left(request: Request, work: Awaitable[_T]) -> _T:
-    """``work``, cancelled (and waited for) if the client leaves first: a client gone before its
-    answer must not hold a decode slot and its KV blocks until max_tokens. (A stream whose headers
-    are out is Starlette's: it stops the stream when the client leaves.)"""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task})
-        raise _ClientLeft
-    return task.result()
-
-
-def _failed() -> ApiError:
-    # The cause (replica lost, KV hand-off failed, …) is in the server log; clients get no internals.
-    return ApiError(500, "the request failed inside the cluster; retry it", type="server_error")
-
-
-def _unauthorized(exc: Exception) -> ApiError:
-    return ApiError(401, str(exc), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-def _rate_limited(exc: RateLimited) -> ApiError:
-    # OpenAI's 429: the limit's kind as the type, code rate_limit_exceeded.
-    headers = {"Retry-After": retry_after_header(exc.retry_after_s)}
-    return ApiError(429, str(exc), type=exc.limit, code="rate_limit_exceeded", headers=headers)
 
 
 def _load_tokenizer(model_dir: str) -> Any:
@@ -189,31 +101,6 @@ def _load_tokenizer(model_dir: str) -> Any:
 def _decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
     parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
     return parse(protocol.decode_body(raw), served_model)
-
-
-def _refusal(exc: Exception) -> ApiError:
-    """A request refused before it reached a pool, as the client sees it."""
-    if isinstance(exc, Unauthorized):
-        return _unauthorized(exc)
-    if isinstance(exc, RateLimited):
-        return _rate_limited(exc)
-    if is_backpressure(exc):  # a pool's bounded queue (Serve's) is full: retry later, as any overload
-        return protocol.api_error_from_exception(OverloadedError("the pools' queues are full; retry later"))
-    if isinstance(exc, TimeoutError):  # a pool did not answer the router's question in time
-        return protocol.api_error_from_exception(OverloadedError("the pools did not answer in time; retry later"))
-    return protocol.api_error_from_exception(exc)
-
-
-def _error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    """Unknown paths and wrong methods, in OpenAI's error format too."""
-    assert isinstance(exc, HTTPException)
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error_response(ApiError(exc.status_code, message, type=kind, headers=exc.headers))  # 405: Allow
 
 
 async def _chain(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
@@ -380,7 +267,7 @@ class RouterServer:
 
     def _app(self) -> Any:
         api = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-        api.add_exception_handler(HTTPException, _http_error)
+        api.add_exception_handler(HTTPException, http_error)
         api.add_api_route("/v1/models", self.models, methods=["GET"])
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/pdserve/status", self.status, methods=["GET"])
@@ -388,7 +275,7 @@ class RouterServer:
         api.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        return _RequestIds(EdgeGuard(api, self.edge_policy))
+        return RequestIds(EdgeGuard(api, self.edge_policy))
 
     async def http_address(self) -> tuple[str, int]:
         """Where this replica serves HTTP (port 0 in the config: the port it got)."""
@@ -423,7 +310,7 @@ class RouterServer:
         try:
             self.keyring.check_any(request.headers.get("authorization"))
         except Unauthorized as exc:
-            return _error_response(_unauthorized(exc))
+            return error_response(unauthorized(exc))
         card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
         return {"object": "list", "data": [card]}
 
@@ -456,7 +343,7 @@ class RouterServer:
         try:
             self.keyring.check_admin(request.headers.get("authorization"))
         except Unauthorized as exc:
-            return _error_response(_unauthorized(exc))
+            return error_response(unauthorized(exc))
 
         # Block hashes stay inside the router: they tell what other tenants' prompts begin with.
         pools = {pool: [_without_hashes(report) for report in reports] for pool, reports in latest_reports().items()}
@@ -486,19 +373,19 @@ class RouterServer:
         try:
             self.keyring.check_admin(request.headers.get("authorization"))
         except Unauthorized as exc:
-            return _error_response(_unauthorized(exc))
+            return error_response(unauthorized(exc))
         try:
-            body = protocol.decode_body(await _read_body(request, 4096, self.body_timeout_s))
+            body = protocol.decode_body(await read_body(request, 4096, self.body_timeout_s))
             if not isinstance(body, dict) or not body or not all(isinstance(k, str) for k in body):
                 raise InvalidRequestError('write the pools to resize as {"decode": 2, "prefill": 1}')
             replicas = await self._resize_pools(body)
         except ConfigError as exc:  # a pool the mode does not have, a count below 1, too few CPUs
-            return _error_response(protocol.api_error_from_exception(InvalidRequestError(str(exc))))
+            return error_response(protocol.api_error_from_exception(InvalidRequestError(str(exc))))
         except (protocol.ApiError, InvalidRequestError) as exc:
-            return _error_response(protocol.api_error_from_exception(exc))
+            return error_response(protocol.api_error_from_exception(exc))
         except Exception as exc:  # Serve refused the deploy: the admin sees why
             logger.exception("resize to %s failed", body)
-            return _error_response(protocol.ApiError(500, f"the resize failed: {exc}", type="server_error"))
+            return error_response(protocol.ApiError(500, f"the resize failed: {exc}", type="server_error"))
         logger.info("pools resized: %s", replicas)
         return {"replicas": replicas}
 
@@ -520,7 +407,7 @@ class RouterServer:
         return await self._handle(request, "chat")
 
     async def _handle(self, request: Request, kind: RequestKind) -> Response:
-        internal_id, request_id = _request_ids(request)
+        internal_id, request_id = request_ids(request)
         started = time.monotonic()
         admission = None
         admitting = False
@@ -534,7 +421,7 @@ class RouterServer:
             self.num_admitting += 1
             admitting = True
             admission = self.tenant_gate.admit(tenant) if tenant is not None else None
-            raw = await _read_body(request, self.max_body_bytes, self.body_timeout_s)
+            raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
             if len(raw) > PARSE_IN_PROCESS_MIN_BYTES:
                 # Parsing it here would hold the GIL, so the loop, for as long (router.parse_process).
                 bounds = PromptBounds(await self._max_model_len(), self.max_token_chars, self.vocab_size)
@@ -560,10 +447,10 @@ class RouterServer:
                 self.tenant_gate.release(admission, 0)
             if not isinstance(exc, Exception):
                 raise
-            error = _refusal(exc)
+            error = refusal(exc)
             self.metrics.request_failed(error.status)
             logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
-            return _error_response(error)
+            return error_response(error)
         finally:
             if admitting:
                 self.num_admitting -= 1
@@ -584,8 +471,8 @@ class RouterServer:
         )
         deltas = self._tracked(run, started, internal_id, request_id, len(prompt_ids), admission)
         try:
-            first = await _unless_client_left(request, deltas.__anext__())  # refusals surface here
-        except _ClientLeft:
+            first = await unless_client_left(request, deltas.__anext__())  # refusals surface here
+        except ClientLeft:
             await deltas.aclose()
             logger.info("request %s: the client left before its first token", request_id)
             return Response(status_code=499)  # nobody reads it
@@ -594,11 +481,11 @@ class RouterServer:
             error = protocol.api_error_from_exception(exc)
             self.metrics.request_failed(error.status)
             logger.warning("request %s failed before its first token (%d): %s", request_id, error.status, exc)
-            return _error_response(error)
+            return error_response(error)
         if first.error is not None:  # failed before any token: nothing is sent yet, so a status says it
             await deltas.aclose()
             logger.warning("request %s failed: %s", request_id, first.error)
-            return _error_response(_failed())
+            return error_response(failed())
         headers: dict[str, str] = {}
         response_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + internal_id
         if parsed.stream:
@@ -606,13 +493,13 @@ class RouterServer:
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             collected = self._collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
-            return await _unless_client_left(request, collected)
-        except _ClientLeft:
+            return await unless_client_left(request, collected)
+        except ClientLeft:
             logger.info("request %s: the client left before its answer", request_id)
             return Response(status_code=499)
         except Exception:
             logger.exception("request %s failed", request_id)
-            return _error_response(_failed())
+            return error_response(failed())
         finally:
             await deltas.aclose()
 
@@ -773,7 +660,7 @@ class RouterServer:
             last = delta
         if last.error is not None:
             logger.warning("request %s failed: %s", response_id, last.error)
-            return _error_response(_failed())
+            return error_response(failed())
         model, created = self.served_model, int(time.time())
         usage = protocol.usage(len(prompt_ids), num_tokens, last.num_cached_tokens, last.ttft_breakdown)
         finish = protocol.openai_finish_reason(last.finish_reason)
@@ -807,7 +694,7 @@ class RouterServer:
                 breakdown = delta.ttft_breakdown  # set on the last delta only
                 if delta.error is not None:
                     logger.warning("request %s failed mid-stream: %s", response_id, delta.error)
-                    yield protocol.sse_error(_failed())
+                    yield protocol.sse_error(failed())
                     break
                 finish = protocol.openai_finish_reason(delta.finish_reason)
                 if not delta.new_text and finish is None and not delta.logprobs:
@@ -827,7 +714,7 @@ class RouterServer:
             yield protocol.SSE_DONE
         except Exception:  # headers are out: the error travels as an event, and the stream still ends
             logger.exception("request %s: stream failed", response_id)
-            yield protocol.sse_error(_failed())
+            yield protocol.sse_error(failed())
             yield protocol.SSE_DONE
         finally:
             await deltas.aclose()  # a client gone mid-stream lands here: cancel on both pools

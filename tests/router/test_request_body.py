@@ -8,7 +8,7 @@ import pytest
 from starlette.requests import Request
 
 from router.protocol import ApiError
-from router.server import _read_body
+from router.http_edge import read_body
 
 
 def _request(chunks: list[bytes], headers: dict[str, str] | None = None) -> Request:
@@ -22,14 +22,14 @@ def _request(chunks: list[bytes], headers: dict[str, str] | None = None) -> Requ
 
 
 def test_a_chunked_body_is_read_whole_up_to_the_limit_and_refused_past_it():
-    assert asyncio.run(_read_body(_request([b"ab", b"cd"]), limit=4, timeout_s=30.0)) == b"abcd"
+    assert asyncio.run(read_body(_request([b"ab", b"cd"]), limit=4, timeout_s=30.0)) == b"abcd"
     with pytest.raises(ApiError) as refused:
-        asyncio.run(_read_body(_request([b"ab", b"cd", b"e"]), limit=4, timeout_s=30.0))
+        asyncio.run(read_body(_request([b"ab", b"cd", b"e"]), limit=4, timeout_s=30.0))
     assert refused.value.status == 413 and refused.value.code == "request_too_large"
 
 
 def test_a_declared_length_past_the_limit_is_refused_before_reading_and_closes_the_connection():
     request = _request([b"never read"], {"content-length": "5"})
     with pytest.raises(ApiError) as refused:
-        asyncio.run(_read_body(request, limit=4, timeout_s=30.0))
+        asyncio.run(read_body(request, limit=4, timeout_s=30.0))
     assert refused.value.status == 413 and refused.value.headers == {"connection": "close"}

@@ -151,9 +151,9 @@ def test_a_prefill_pool_being_replaced_is_not_asked_and_its_answer_is_not_kept(m
 def test_a_full_pool_queue_met_before_any_pool_work_is_a_503():
     from ray.serve.exceptions import BackPressureError
 
-    from router.server import _refusal
+    from router.http_edge import refusal
 
-    error = _refusal(BackPressureError(num_queued_requests=4, max_queued_requests=4))
+    error = refusal(BackPressureError(num_queued_requests=4, max_queued_requests=4))
     assert (error.status, error.type, error.headers) == (503, "service_unavailable", {"Retry-After": "1"})
 
 
