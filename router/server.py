@@ -72,6 +72,7 @@ from router.prompt_bounds import (
 )
 from router.protocol import ParsedRequest, RequestKind
 from router.remote_prefill import RemotePrefillEstimator
+from router.responses import ResponseWriter
 
 logger = logging.getLogger("pdserve.router")
 _T = TypeVar("_T")
@@ -101,14 +102,6 @@ def _load_tokenizer(model_dir: str) -> Any:
 def _decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
     parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
     return parse(protocol.decode_body(raw), served_model)
-
-
-async def _chain(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
-    yield first
-    if first.finish_reason is not None:
-        return
-    async for delta in rest:
-        yield delta
 
 
 async def _await(response: Any) -> Any:
@@ -203,6 +196,7 @@ class RouterServer:
         # Bodies past PARSE_IN_PROCESS_MIN_BYTES: their parse would hold the GIL, so the loop.
         self.parse_process = ParseProcess(timeout_s=body_timeout_s)
         self._parse_process_start = asyncio.get_running_loop().create_task(self.parse_process.start())
+        self.responses = ResponseWriter(served_model, self.tokenizer.decode)
         from router.routing_state import latest_reports, placement, takes_requests
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)
@@ -489,10 +483,10 @@ class RouterServer:
         headers: dict[str, str] = {}
         response_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + internal_id
         if parsed.stream:
-            events = self._sse(parsed, response_id, prompt_ids, prompt_text, first, deltas)
+            events = self.responses.sse(parsed, response_id, prompt_ids, prompt_text, first, deltas)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            collected = self._collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
+            collected = self.responses.collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
             return await unless_client_left(request, collected)
         except ClientLeft:
             logger.info("request %s: the client left before its answer", request_id)
@@ -637,84 +631,3 @@ class RouterServer:
 
     def _detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _logprobs(self, parsed: ParsedRequest, delta: StreamDelta, text_offset: int) -> dict | None:
-        if parsed.logprobs is None or not delta.logprobs:
-            return None
-        if parsed.kind == "chat":
-            return protocol.chat_logprobs(delta.logprobs, self._token_text)
-        return protocol.completion_logprobs(delta.logprobs, self._token_text, text_offset)
-
-    async def _collect(self, parsed, response_id, prompt_ids, prompt_text, first, deltas, headers) -> Response:
-        text: list[str] = []
-        logprobs: list = []
-        num_tokens = 0
-        last = first
-        async for delta in _chain(first, deltas):
-            text.append(delta.new_text)
-            logprobs.extend(delta.logprobs or [])
-            num_tokens += len(delta.new_token_ids)
-            last = delta
-        if last.error is not None:
-            logger.warning("request %s failed: %s", response_id, last.error)
-            return error_response(failed())
-        model, created = self.served_model, int(time.time())
-        usage = protocol.usage(len(prompt_ids), num_tokens, last.num_cached_tokens, last.ttft_breakdown)
-        finish = protocol.openai_finish_reason(last.finish_reason)
-        merged = StreamDelta(response_id, [], "", logprobs=logprobs or None)
-        if parsed.kind == "chat":
-            content = "".join(text)
-            body = protocol.chat_response(
-                response_id, model, created, content, finish, usage, self._logprobs(parsed, merged, 0)
-            )
-        else:
-            prefix = (prompt_text or self.tokenizer.decode(prompt_ids)) if parsed.echo else ""
-            lp = self._logprobs(parsed, merged, len(prefix))
-            body = protocol.completion_response(response_id, model, created, prefix + "".join(text), finish, usage, lp)
-        return JSONResponse(body, headers=headers)
-
-    async def _sse(self, parsed, response_id, prompt_ids, prompt_text, first, deltas) -> AsyncIterator[bytes]:
-        """Server-sent events; an error after the first byte travels as an error event, then [DONE]."""
-        model, created, chat = self.served_model, int(time.time()), parsed.kind == "chat"
-        num_tokens, cached, offset = 0, 0, 0
-        breakdown = None
-        try:
-            if chat:
-                yield protocol.sse(protocol.chat_chunk(response_id, model, created, role="assistant", content=""))
-            elif parsed.echo:
-                prefix = prompt_text or self.tokenizer.decode(prompt_ids)
-                offset = len(prefix)
-                yield protocol.sse(protocol.completion_chunk(response_id, model, created, prefix))
-            async for delta in _chain(first, deltas):
-                num_tokens += len(delta.new_token_ids)
-                cached = delta.num_cached_tokens
-                breakdown = delta.ttft_breakdown  # set on the last delta only
-                if delta.error is not None:
-                    logger.warning("request %s failed mid-stream: %s", response_id, delta.error)
-                    yield protocol.sse_error(failed())
-                    break
-                finish = protocol.openai_finish_reason(delta.finish_reason)
-                if not delta.new_text and finish is None and not delta.logprobs:
-                    continue
-                logprobs = self._logprobs(parsed, delta, offset)
-                offset += len(delta.new_text)
-                if chat:
-                    chunk = protocol.chat_chunk(
-                        response_id, model, created, content=delta.new_text, finish_reason=finish, logprobs=logprobs
-                    )
-                else:
-                    chunk = protocol.completion_chunk(response_id, model, created, delta.new_text, finish, logprobs)
-                yield protocol.sse(chunk)
-            if parsed.include_usage:
-                usage = protocol.usage(len(prompt_ids), num_tokens, cached, breakdown)
-                yield protocol.sse(protocol.usage_chunk(response_id, model, created, usage, parsed.kind))
-            yield protocol.SSE_DONE
-        except Exception:  # headers are out: the error travels as an event, and the stream still ends
-            logger.exception("request %s: stream failed", response_id)
-            yield protocol.sse_error(failed())
-            yield protocol.SSE_DONE
-        finally:
-            await deltas.aclose()  # a client gone mid-stream lands here: cancel on both pools

@@ -2,7 +2,7 @@
 reaches the usage (JSON and the streamed usage chunk) and the metrics once.
 
 The constructor loads a tokenizer and starts an HTTP server; these tests need neither, so they build
-a bare RouterServer with only what ``_tracked``, ``_collect`` and ``_sse`` read. The orchestrator
+a bare RouterServer with only what ``_tracked`` and its ResponseWriter read. The orchestrator
 that makes the deltas is tested in test_orchestrator.py, the wire format in test_protocol.py.
 """
 
@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from common.serving import StreamDelta, TTFTBreakdown
 from router import protocol
 from router.metrics import RouterMetrics
+from router.responses import ResponseWriter
 from router.server import RouterServer
 from tests.router.test_metrics import MODEL, scrape
 
@@ -29,6 +30,7 @@ class BareServer(RouterServer):
         self.served_model = "smol"
         self.num_in_flight = 1  # _handle counts the request in before _tracked counts it out
         self.serving_replica: dict[str, tuple[str, str]] = {}
+        self.responses = ResponseWriter("smol", lambda token_ids: "")
 
     def __del__(self) -> None:  # Serve's shutdown hook stops the HTTP server, which never started here
         pass
@@ -50,7 +52,7 @@ def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metr
     async def respond():
         tracked = server._tracked(deltas(), time.monotonic(), "internal-r", "r", len(PROMPT))
         first = await tracked.__anext__()
-        return await server._collect(parsed, "cmpl-r", PROMPT, "hi", first, tracked, {})
+        return await server.responses.collect(parsed, "cmpl-r", PROMPT, "hi", first, tracked, {})
 
     body = json.loads(asyncio.run(respond()).body)
     assert body["usage"] == expected_usage()
@@ -89,7 +91,7 @@ def test_the_streamed_usage_chunk_carries_it_when_usage_is_asked_for():
     async def events(parsed) -> list[dict]:
         stream = deltas()
         first = await stream.__anext__()
-        chunks = [c async for c in server._sse(parsed, "cmpl-r", PROMPT, "hi", first, stream)]
+        chunks = [c async for c in server.responses.sse(parsed, "cmpl-r", PROMPT, "hi", first, stream)]
         return [json.loads(c[6:]) for c in chunks if c != protocol.SSE_DONE]
 
     *_, tail = asyncio.run(events(asked))
