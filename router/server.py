@@ -14,13 +14,10 @@ disconnects mid-stream cancels the request on both pools.
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -31,19 +28,17 @@ from common.block_hash import SHORT_HASH_BYTES
 from common.errors import ConfigError, InvalidRequestError, OverloadedError
 from common.logs import setup_logging
 from common.serving import StreamDelta
-from common.tokenizer_files import generic_fast_tokenizer
 from common.tracing import extract, setup_tracing
 from router import protocol
 from router.auth import (
     Admission,
     KeyRing,
-    Tenant,
     TenantGate,
     Unauthorized,
     tenant_salt,
 )
+from router.context_length import POOL_CALL_TIMEOUT_S, ContextLength
 from router.edge_guard import EdgeGuard, EdgePolicy
-from router.fair_queue import FairQueue
 from router.health import HealthCheck
 from router.http_edge import (
     ClientLeft,
@@ -58,50 +53,20 @@ from router.http_edge import (
     unless_client_left,
 )
 from router.http_listener import HttpListener
+from router.intake import PromptIntake, load_tokenizer
 from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
-from router.parse_process import ParseProcess
 from router.planner import PlannerConfig
 from router.planner_loop import PlannerLoop
-from router.prompt_bounds import (
-    PromptBounds,
-    check_length,
-    check_prompt_chars,
-    check_token_ids,
-)
 from router.protocol import ParsedRequest, RequestKind
 from router.remote_prefill import RemotePrefillEstimator
 from router.responses import ResponseWriter
 
 logger = logging.getLogger("pdserve.router")
 _T = TypeVar("_T")
-_POOL_CALL_TIMEOUT_S = 10.0
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
-# A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
-# 30 MiB list of ids held every stream for seconds when it was checked on the event loop.
-PARSE_ON_LOOP_MAX_BYTES = 256 * 2**10
-# Past this, the body is parsed in the parse process: json.loads holds the GIL ~12 ms per MiB.
-PARSE_IN_PROCESS_MIN_BYTES = 2 * 2**20
-CHECK_IDS_ON_LOOP_MAX = 4096
-
-
-def _load_tokenizer(model_dir: str) -> Any:
-    """The generic fast class where it loads the same tokenizer (common.tokenizer_files): ~1.8 s
-    less at start than AutoTokenizer, which imports transformers' model configurations."""
-    if generic_fast_tokenizer(model_dir):
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
-    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-    return parse(protocol.decode_body(raw), served_model)
 
 
 async def _await(response: Any) -> Any:
@@ -182,20 +147,12 @@ class RouterServer:
         self.prefill = prefill
         self.mode = mode
         self.served_model = served_model
-        self.tokenizer = _load_tokenizer(model_dir)
-        self.vocab_size = len(self.tokenizer)
-        # No token is longer than this many characters (a vocabulary entry's raw form is at least as
-        # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
-        self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
-        # One thread: tokenizing (long for a long prompt) stays off the event loop, and no two
-        # encodes run at once in one fast tokenizer (each borrows its Rust state mutably). Tenants
-        # take turns on it (router.fair_queue): one tenant's queue of long prompts holds no other.
-        self._tokenizer = FairQueue("pdserve-tokenize")
-        # Large bodies' JSON and long token-id lists: off the loop, and not queued behind prompts.
-        self._parse_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse")
-        # Bodies past PARSE_IN_PROCESS_MIN_BYTES: their parse would hold the GIL, so the loop.
-        self.parse_process = ParseProcess(timeout_s=body_timeout_s)
-        self._parse_process_start = asyncio.get_running_loop().create_task(self.parse_process.start())
+        self.tokenizer = load_tokenizer(model_dir)
+        self.context_length = ContextLength(decode, prefill)
+        self.intake = PromptIntake(
+            self.tokenizer, served_model, self.context_length.get, max_tokens_limit, parse_timeout_s=body_timeout_s
+        )
+        self.intake.start()
         self.responses = ResponseWriter(served_model, self.tokenizer.decode)
         from router.routing_state import latest_reports, placement, takes_requests
 
@@ -218,7 +175,6 @@ class RouterServer:
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)
         self.tenant_gate = TenantGate()
         self.max_body_bytes = max_body_bytes
-        self.max_tokens_limit = max_tokens_limit
         self.health_check = self._health_check()
         self.edge_policy = EdgePolicy.for_listener(host, allowed_hosts, allowed_origins)
         self.body_timeout_s = body_timeout_s
@@ -227,8 +183,6 @@ class RouterServer:
         # internal id in flight -> (the client's request id, the decode replica streaming it). Keyed by
         # the router's own id: two requests sent with one X-Request-Id must not share an entry.
         self.serving_replica: dict[str, tuple[str, str]] = {}
-        self.max_model_len: int | None = None
-        self._max_model_len_ask: asyncio.Future[tuple[int, bool]] | None = None
         self.scaler = scaler  # cluster.scaling.scale, for POST /pdserve/scale
         self.model_dir = model_dir
         self._resize: asyncio.Future | None = None  # the resize running in a thread, if any
@@ -289,15 +243,9 @@ class RouterServer:
         probe = getattr(self, "_loop_lag_task", None)
         if probe is not None:
             probe.cancel()
-        parse_process = getattr(self, "parse_process", None)
-        if parse_process is not None:
-            await parse_process.close()
-        tokenizer = getattr(self, "_tokenizer", None)
-        if tokenizer is not None:
-            tokenizer.shutdown()
-        parse_thread = getattr(self, "_parse_thread", None)
-        if parse_thread is not None:
-            parse_thread.shutdown(wait=False, cancel_futures=True)
+        intake = getattr(self, "intake", None)
+        if intake is not None:
+            await intake.close()
 
     # --- plain endpoints -------------------------------------------------------------------
     async def models(self, request: Request) -> Any:
@@ -324,7 +272,7 @@ class RouterServer:
         return HealthCheck(
             pools,
             takes_requests_within,
-            lambda handle: asyncio.wait_for(_await(handle.report.remote()), _POOL_CALL_TIMEOUT_S),
+            lambda handle: asyncio.wait_for(_await(handle.report.remote()), POOL_CALL_TIMEOUT_S),
         )
 
     async def prometheus_metrics(self) -> Response:
@@ -409,33 +357,17 @@ class RouterServer:
             # Who and how much before any work: the key, then room (those still being read and
             # tokenized count: the body is held whole), then the tenant's concurrency and rate.
             tenant = self.keyring.tenant(request.headers.get("authorization"))
-            if self.num_in_flight + self.num_admitting >= self.max_concurrent_requests:
-                in_flight = self.num_in_flight + self.num_admitting
+            in_flight = self.num_in_flight + self.num_admitting + self.intake.num_orphaned
+            if in_flight >= self.max_concurrent_requests:
                 raise OverloadedError(f"{in_flight} requests in flight (max_concurrent_requests); retry later")
             self.num_admitting += 1
             admitting = True
             admission = self.tenant_gate.admit(tenant) if tenant is not None else None
             raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
-            if len(raw) > PARSE_IN_PROCESS_MIN_BYTES:
-                # Parsing it here would hold the GIL, so the loop, for as long (router.parse_process).
-                bounds = PromptBounds(await self._max_model_len(), self.max_token_chars, self.vocab_size)
-                raw = await self.parse_process.reduce(raw, kind, self.served_model, bounds)
-            parsed: ParsedRequest
-            if len(raw) > PARSE_ON_LOOP_MAX_BYTES:
-                work = functools.partial(_decode_and_parse, raw, kind, self.served_model)
-                parsed = await asyncio.get_running_loop().run_in_executor(self._parse_thread, work)
-            else:
-                parsed = _decode_and_parse(raw, kind, self.served_model)
-            parsed = self._within_max_tokens_limit(parsed)
-            max_model_len = await self._max_model_len()
-            check_prompt_chars(parsed, max_model_len, self.max_token_chars)
-            prompt_ids, prompt_text = await self._tokenize_off_loop(parsed, tenant)
-            check_length(prompt_ids, max_model_len)
-            # As OpenAI does: no more tokens than the context has room for after the prompt.
-            max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
-            parsed = dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
+            intake = await self.intake.take(raw, kind, tenant)
+            parsed, prompt_ids, prompt_text = intake.parsed, intake.prompt_ids, intake.prompt_text
             if admission is not None:
-                self.tenant_gate.charge_tokens(admission, len(prompt_ids) + max_tokens)
+                self.tenant_gate.charge_tokens(admission, len(prompt_ids) + parsed.sampling.max_tokens)
         except BaseException as exc:
             if admission is not None:  # refused or cancelled before any pool work: nothing was used
                 self.tenant_gate.release(admission, 0)
@@ -497,20 +429,6 @@ class RouterServer:
         finally:
             await deltas.aclose()
 
-    def _within_max_tokens_limit(self, parsed: ParsedRequest) -> ParsedRequest:
-        """router.max_tokens_limit: more asked is refused, naming the field; a default is cut to it."""
-        limit = self.max_tokens_limit
-        if limit is None or parsed.sampling.max_tokens <= limit:
-            return parsed
-        if parsed.max_tokens_field is not None:
-            raise protocol.ApiError(
-                400,
-                f"{parsed.max_tokens_field}={parsed.sampling.max_tokens} is more than this server's limit of "
-                f"{limit} tokens (router.max_tokens_limit)",
-                param=parsed.max_tokens_field,
-            )
-        return dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=limit))
-
     async def _tracked(
         self,
         deltas: AsyncIterator[StreamDelta],
@@ -565,69 +483,6 @@ class RouterServer:
             self.serving_replica.pop(internal_id, None)
             metrics.request_ended(outcome, started, first_token_time, num_tokens, num_prompt, finish_reason)
             logger.info("request %s ended: %s, %d tokens", request_id, outcome or "refused", num_tokens)
-
-    def _tokenize(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
-        if parsed.kind == "chat":
-            assert parsed.messages is not None
-            ids = self.tokenizer.apply_chat_template(
-                parsed.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids), None
-        if isinstance(parsed.prompt, str):
-            if not parsed.prompt:
-                raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
-            return self.tokenizer.encode(parsed.prompt), parsed.prompt
-        ids = list(parsed.prompt or [])
-        check_token_ids(ids, self.vocab_size)
-        return ids, None
-
-    async def _tokenize_off_loop(self, parsed: ParsedRequest, tenant: Tenant | None) -> tuple[list[int], str | None]:
-        if parsed.kind == "completion" and not isinstance(parsed.prompt, str):
-            if len(parsed.prompt or []) <= CHECK_IDS_ON_LOOP_MAX:
-                return self._tokenize(parsed)  # token ids: only their range is checked
-            return await asyncio.get_running_loop().run_in_executor(self._parse_thread, self._tokenize, parsed)
-        # No keys (tenant None): one queue for every client.
-        job = self._tokenizer.submit(tenant.name if tenant is not None else "", self._tokenize, parsed)
-        try:
-            return await asyncio.wrap_future(job)
-        except asyncio.CancelledError:
-            if job.cancel():  # the client left while its job waited for the tokenizer: it never runs
-                raise
-            if not job.done():  # the client left mid-tokenizing: the work goes on, and keeps its place
-                self.num_admitting += 1
-                loop = asyncio.get_running_loop()
-                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._tokenized_for_nobody))
-            raise
-
-    def _tokenized_for_nobody(self) -> None:
-        self.num_admitting -= 1
-
-    async def _max_model_len(self) -> int:
-        """The pools' context length (the smaller), asked once: a burst reaching a fresh router
-        waits for one answer, instead of putting one call per request in the pools' bounded queues
-        (which refuse the rest). A failed ask is asked again by the next request."""
-        if self.max_model_len is None:
-            if self._max_model_len_ask is None or self._max_model_len_ask.done():
-                self._max_model_len_ask = asyncio.ensure_future(self._ask_max_model_len())
-            # Shielded: a client that leaves does not cancel the ask the others wait for.
-            max_model_len, every_pool = await asyncio.shield(self._max_model_len_ask)
-            if not every_pool:
-                return max_model_len  # the prefill pool was down: not kept, asked again later
-            self.max_model_len = max_model_len
-        return self.max_model_len
-
-    async def _ask_max_model_len(self) -> tuple[int, bool]:
-        """(the smaller context length, whether every pool answered): a prefill pool whose replicas
-        are all failed or being replaced is not asked (the call would wait for the new one)."""
-        from router.routing_state import takes_requests
-
-        report = await asyncio.wait_for(_await(self.decode.report.remote()), _POOL_CALL_TIMEOUT_S)
-        if self.prefill is None:
-            return report["max_model_len"], True
-        if takes_requests("prefill") is False:
-            return report["max_model_len"], False
-        prefill = await asyncio.wait_for(_await(self.prefill.report.remote()), _POOL_CALL_TIMEOUT_S)
-        return min(report["max_model_len"], prefill["max_model_len"]), True
 
     def _detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

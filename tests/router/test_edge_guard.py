@@ -101,7 +101,7 @@ def test_max_tokens_beyond_the_limit_is_refused_by_name_and_the_default_cut_to_i
         completion = {"model": "smol", "prompt": [1, 2, 3]}
         status, _, answer = await request("/v1/completions", {**completion, "max_tokens": 3})
         assert status == 200
-        server.max_tokens_limit = 2  # below /v1/completions' default of 16
+        server.intake.max_tokens_limit = 2  # below /v1/completions' default of 16
         status, _, answer = await request("/v1/completions", completion)
         assert status == 200 and answer["usage"]["completion_tokens"] == 2
 

@@ -14,7 +14,7 @@ from router import protocol
 from router.parse_process import ParseProcess, verdict
 from router.prompt_bounds import PromptBounds
 from router.protocol import ApiError
-from router.server import _decode_and_parse
+from router.intake import decode_and_parse
 from tests.router.test_request_limits import serve  # noqa: F401  (fixture)
 
 BOUNDS = PromptBounds(max_model_len=64, max_token_chars=8, vocab_size=1000)
@@ -38,7 +38,7 @@ def router_outcome(kind: str, raw: bytes):
     from router.prompt_bounds import check_bounds
 
     try:
-        parsed = _decode_and_parse(raw, kind, "m")
+        parsed = decode_and_parse(raw, kind, "m")
         check_bounds(parsed, BOUNDS)
         return parsed
     except (ApiError, InvalidRequestError) as exc:
@@ -101,11 +101,11 @@ def test_a_real_child_answers_in_order_and_a_dead_one_is_replaced_for_the_next_b
 def test_the_router_never_parses_a_large_body_in_its_own_process(serve, monkeypatch):  # noqa: F811
     """A 26 MiB body of token ids held the loop 0.26 s per body when parsed on a thread of the
     router (the GIL). Here the router's process only ever parses the reduced body."""
-    from router import server as server_module
+    from router import intake as intake_module
 
     seen: list[int] = []
     real = protocol.decode_body
-    monkeypatch.setattr(server_module.protocol, "decode_body", lambda raw: seen.append(len(raw)) or real(raw))
+    monkeypatch.setattr(intake_module.protocol, "decode_body", lambda raw: seen.append(len(raw)) or real(raw))
 
     async def scenario(server, request):
         ids = [5] * 4_000_000  # ~12 MiB of JSON
@@ -117,7 +117,7 @@ def test_the_router_never_parses_a_large_body_in_its_own_process(serve, monkeypa
         body = {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4, "padding": "x" * (3 * 2**20)}
         status, _, answer = await request("/v1/completions", body)
         assert status == 200, answer
-        assert server.parse_process.num_parsed == 3
+        assert server.intake.parse_process.num_parsed == 3
 
     serve(scenario)
     assert seen and max(seen) < 1024, seen  # the router itself parsed only the reduced 200's body

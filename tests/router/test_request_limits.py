@@ -54,23 +54,23 @@ def hold_tokenizer(server: RouterServer) -> tuple[threading.Event, threading.Eve
     """The server's tokenizer, held inside its thread: ``entered`` is set once a job runs, and the
     job ends when ``release`` is set."""
     entered, release = threading.Event(), threading.Event()
-    tokenize = server._tokenize
+    tokenize = server.intake.tokenize
 
     def held_tokenize(parsed):
         entered.set()
         assert release.wait(30)
         return tokenize(parsed)
 
-    server._tokenize = held_tokenize
+    server.intake.tokenize = held_tokenize
     return entered, release
 
 
 def test_a_prompt_too_long_by_its_characters_is_refused_without_tokenizing(serve):
     async def scenario(server, request):
         tokenized = []
-        tokenize = server._tokenize
-        server._tokenize = lambda parsed: tokenized.append(parsed) or tokenize(parsed)
-        limit = CONTEXT * server.max_token_chars
+        tokenize = server.intake.tokenize
+        server.intake.tokenize = lambda parsed: tokenized.append(parsed) or tokenize(parsed)
+        limit = CONTEXT * server.intake.max_token_chars
         status, _, error = await request("/v1/completions", {"model": "smol", "prompt": "a" * (limit + 1)})
         assert status == 400 and error["error"]["code"] == "context_length_exceeded"
         assert error["error"]["param"] == "prompt" and f"{limit + 1} characters" in error["error"]["message"]
@@ -101,7 +101,7 @@ def test_tokenizing_runs_off_the_event_loop_and_counts_against_admission(serve):
     async def scenario(server, request):
         entered, release = threading.Event(), threading.Event()
         threads = []
-        tokenize = server._tokenize
+        tokenize = server.intake.tokenize
 
         def held_tokenize(parsed):
             threads.append(threading.current_thread().name)
@@ -109,7 +109,7 @@ def test_tokenizing_runs_off_the_event_loop_and_counts_against_admission(serve):
             assert release.wait(30)
             return tokenize(parsed)
 
-        server._tokenize = held_tokenize
+        server.intake.tokenize = held_tokenize
         body = {"model": "smol", "prompt": "one two three", "max_tokens": 2}  # 3 tokens, as the fake pool wants
         held = asyncio.ensure_future(request("/v1/completions", body))
         assert await asyncio.to_thread(entered.wait, 30)
@@ -147,20 +147,23 @@ def test_a_request_cancelled_mid_tokenizing_keeps_its_place_until_the_tokenizer_
     async def scenario(server, request):
         entered, release = hold_tokenizer(server)
         parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
-        task = asyncio.ensure_future(server._tokenize_off_loop(parsed, None))
+        task = asyncio.ensure_future(server.intake.tokenize_off_loop(parsed, None))
         assert await asyncio.to_thread(entered.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert server.num_admitting == 1  # the tokenizer still works for it: no one else may start
+        # The tokenizer still works for it: it keeps a place in admission, no one else may start.
+        assert server.intake.num_orphaned == 1
+        status, _, _ = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert status == 503
         release.set()
         for _ in range(300):
-            if server.num_admitting == 0:
+            if server.intake.num_orphaned == 0:
                 break
             await asyncio.sleep(0.01)
-        assert server.num_admitting == 0
+        assert server.intake.num_orphaned == 0 and server.num_admitting == 0
 
-    serve(scenario)
+    serve(scenario, max_concurrent_requests=1)
 
 
 def test_a_body_that_stops_coming_gets_408_and_gives_its_admission_slot_back(serve):
@@ -197,13 +200,13 @@ def test_a_chat_is_measured_by_every_string_and_message_it_carries_before_tokeni
 
     async def scenario(server, request):
         tokenized = []
-        tokenize = server._tokenize
-        server._tokenize = lambda parsed: tokenized.append(parsed) or tokenize(parsed)
+        tokenize = server.intake.tokenize
+        server.intake.tokenize = lambda parsed: tokenized.append(parsed) or tokenize(parsed)
         empty = [{"role": "user", "content": ""}] * (CONTEXT + 1)
         status, _, error = await request("/v1/chat/completions", {"model": "smol", "messages": empty})
         assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
         assert f"{CONTEXT + 1} messages" in error["error"]["message"]
-        text = "x" * (CONTEXT * server.max_token_chars + 1)
+        text = "x" * (CONTEXT * server.intake.max_token_chars + 1)
         parts = [{"role": "user", "content": [{"type": "text", "text": text}]}]
         status, _, error = await request("/v1/chat/completions", {"model": "smol", "messages": parts})
         assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
@@ -217,14 +220,14 @@ def test_a_request_that_leaves_while_waiting_for_the_tokenizer_gives_its_place_b
     async def scenario(server, request):
         entered, release = hold_tokenizer(server)
         parsed = protocol.parse_completion_request({"model": "smol", "prompt": "one two three"}, "smol")
-        busy = asyncio.ensure_future(server._tokenize_off_loop(parsed, None))
+        busy = asyncio.ensure_future(server.intake.tokenize_off_loop(parsed, None))
         assert await asyncio.to_thread(entered.wait, 30)
-        queued = asyncio.ensure_future(server._tokenize_off_loop(parsed, None))
+        queued = asyncio.ensure_future(server.intake.tokenize_off_loop(parsed, None))
         await asyncio.sleep(0.05)
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
-        assert server.num_admitting == 0  # its job never ran: nothing holds a place for it
+        assert server.intake.num_orphaned == 0  # its job never ran: nothing holds a place for it
         release.set()
         assert (await busy)[0]
 
@@ -235,7 +238,7 @@ def test_a_large_body_and_a_long_list_of_token_ids_are_checked_off_the_event_loo
     """A body past PARSE_ON_LOOP_MAX_BYTES is decoded and parsed on the parse thread, a list of ids
     past CHECK_IDS_ON_LOOP_MAX range-checked there (one of 30 MiB held every stream for seconds on
     the loop); small ones stay on the loop (no hop for them). Either way the answer is the same."""
-    from router import server as server_module
+    from router import intake as server_module
 
     threads: list[str] = []
     real = server_module.protocol.decode_body
@@ -246,9 +249,9 @@ def test_a_large_body_and_a_long_list_of_token_ids_are_checked_off_the_event_loo
     checked: list[str] = []
 
     async def scenario(server, request):
-        server.max_token_chars = 10**6  # the long prompt below is refused by its length, after the checks
-        tokenize = server._tokenize
-        server._tokenize = lambda parsed: checked.append(threading.current_thread().name) or tokenize(parsed)
+        server.intake.max_token_chars = 10**6  # the long prompt below is refused by its length, after the checks
+        tokenize = server.intake.tokenize
+        server.intake.tokenize = lambda parsed: checked.append(threading.current_thread().name) or tokenize(parsed)
         ids = [5] * 120_000  # ~360 KiB of JSON
         status, _, error = await request("/v1/completions", {"model": "smol", "prompt": ids})
         assert status == 400 and error["error"]["code"] == "context_length_exceeded", error

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from common.serving import StreamDelta, TTFTBreakdown
 from router import protocol
+from router.context_length import ContextLength
 from router.metrics import RouterMetrics
 from router.responses import ResponseWriter
 from router.server import RouterServer
@@ -125,29 +126,25 @@ def test_a_burst_on_a_fresh_router_asks_the_pools_their_context_length_once(monk
     from router import routing_state
 
     monkeypatch.setattr(routing_state, "_LATEST", {})
-    server = BareServer()
-    server.decode, server.prefill = CountingPool(8192), CountingPool(4096, fail=1)
-    server.max_model_len, server._max_model_len_ask = None, None
+    context = ContextLength(CountingPool(8192), CountingPool(4096, fail=1))
 
     async def burst() -> list:
-        return await asyncio.gather(*(server._max_model_len() for _ in range(50)), return_exceptions=True)
+        return await asyncio.gather(*(context.get() for _ in range(50)), return_exceptions=True)
 
     first = asyncio.run(burst())  # the one ask fails: every waiter gets its error, none hangs
-    assert all(isinstance(r, TimeoutError) for r in first) and server.prefill.calls == 1
+    assert all(isinstance(r, TimeoutError) for r in first) and context.prefill.calls == 1
     assert asyncio.run(burst()) == [4096] * 50  # asked again, once, and kept
-    assert (server.decode.calls, server.prefill.calls) == (2, 2)
+    assert (context.decode.calls, context.prefill.calls) == (2, 2)
 
 
 def test_a_prefill_pool_being_replaced_is_not_asked_and_its_answer_is_not_kept(monkeypatch):
     from router import routing_state
 
     monkeypatch.setattr(routing_state, "_LATEST", {"prefill": (0.0, {})})  # no replica left
-    server = BareServer()
-    server.decode, server.prefill = CountingPool(8192), CountingPool(4096)
-    server.max_model_len, server._max_model_len_ask = None, None
-    assert asyncio.run(server._max_model_len()) == 8192 and server.prefill.calls == 0
+    context = ContextLength(CountingPool(8192), CountingPool(4096))
+    assert asyncio.run(context.get()) == 8192 and context.prefill.calls == 0
     routing_state.record("prefill", {"p1": {"engine_error": ""}})  # the replacement is up
-    assert asyncio.run(server._max_model_len()) == 4096 and server.max_model_len == 4096
+    assert asyncio.run(context.get()) == 4096 and context.value == 4096
 
 
 def test_a_full_pool_queue_met_before_any_pool_work_is_a_503():

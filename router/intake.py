@@ -1,0 +1,169 @@
+"""From a request's body to a prompt the pools can take, or the refusal that says why not.
+
+    body ─▶ parsed: on the loop (small), on a thread (past 256 KiB), in the parse process (past
+            2 MiB: router.parse_process, as json.loads holds the GIL throughout)
+         ─▶ max_tokens within router.max_tokens_limit ─▶ the prompt's characters against the
+            context (no tokenizer time spent on a prompt that cannot fit)
+         ─▶ tokenized (+ chat template) on the tokenizer's one thread, tenants in turns
+            (router.fair_queue); token ids only range-checked
+         ─▶ its length against the context; max_tokens clipped to the room left, as OpenAI does
+
+A client that leaves while its job waits for the tokenizer is dropped from the queue; one that
+leaves mid-tokenizing leaves the job running, and it keeps its place in admission until it ends
+(``num_orphaned``), so that clients who leave cannot pile up work past max_concurrent_requests.
+"""
+
+import asyncio
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import InvalidRequestError
+from common.tokenizer_files import generic_fast_tokenizer
+from router import protocol
+from router.auth import Tenant
+from router.fair_queue import FairQueue
+from router.parse_process import ParseProcess
+from router.prompt_bounds import PromptBounds, check_length, check_prompt_chars, check_token_ids
+from router.protocol import ParsedRequest, RequestKind
+
+# A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
+# 30 MiB list of ids held every stream for seconds when it was checked on the event loop.
+PARSE_ON_LOOP_MAX_BYTES = 256 * 2**10
+# Past this, the body is parsed in the parse process: json.loads holds the GIL ~12 ms per MiB.
+PARSE_IN_PROCESS_MIN_BYTES = 2 * 2**20
+CHECK_IDS_ON_LOOP_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Intake:
+    parsed: ParsedRequest  # max_tokens clipped to the context's room
+    prompt_ids: list[int]
+    prompt_text: str | None  # a text prompt as sent (echo), None for token ids and chats
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The generic fast class where it loads the same tokenizer (common.tokenizer_files): ~1.8 s
+    less at start than AutoTokenizer, which imports transformers' model configurations."""
+    if generic_fast_tokenizer(model_dir):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
+    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+    return parse(protocol.decode_body(raw), served_model)
+
+
+class PromptIntake:
+    def __init__(
+        self,
+        tokenizer: Any,
+        served_model: str,
+        context_length: Callable[[], Awaitable[int]],
+        max_tokens_limit: int | None = None,
+        parse_timeout_s: float = 30.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.served_model = served_model
+        self.context_length = context_length
+        self.max_tokens_limit = max_tokens_limit
+        self.vocab_size = len(tokenizer)
+        # No token is longer than this many characters (a vocabulary entry's raw form is at least as
+        # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
+        self.max_token_chars = max(len(token) for token in tokenizer.get_vocab())
+        # One thread: tokenizing (long for a long prompt) stays off the event loop, and no two
+        # encodes run at once in one fast tokenizer (each borrows its Rust state mutably). Tenants
+        # take turns on it: one tenant's queue of long prompts holds no other.
+        self.tokenizer_queue = FairQueue("pdserve-tokenize")
+        # Large bodies' JSON and long token-id lists: off the loop, and not queued behind prompts.
+        self.parse_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse")
+        self.parse_process = ParseProcess(timeout_s=parse_timeout_s)
+        self.num_orphaned = 0  # tokenizing jobs whose client left, still running
+
+    async def take(self, raw: bytes, kind: RequestKind, tenant: Tenant | None) -> Intake:
+        parsed = self.within_max_tokens_limit(await self.parse(raw, kind))
+        max_model_len = await self.context_length()
+        check_prompt_chars(parsed, max_model_len, self.max_token_chars)
+        prompt_ids, prompt_text = await self.tokenize_off_loop(parsed, tenant)
+        check_length(prompt_ids, max_model_len)
+        # As OpenAI does: no more tokens than the context has room for after the prompt.
+        max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
+        parsed = dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
+        return Intake(parsed, prompt_ids, prompt_text)
+
+    async def parse(self, raw: bytes, kind: RequestKind) -> ParsedRequest:
+        if len(raw) > PARSE_IN_PROCESS_MIN_BYTES:
+            # Parsing it here would hold the GIL, so the loop, for as long.
+            bounds = PromptBounds(await self.context_length(), self.max_token_chars, self.vocab_size)
+            raw = await self.parse_process.reduce(raw, kind, self.served_model, bounds)
+        if len(raw) > PARSE_ON_LOOP_MAX_BYTES:
+            work = functools.partial(decode_and_parse, raw, kind, self.served_model)
+            return await asyncio.get_running_loop().run_in_executor(self.parse_thread, work)
+        return decode_and_parse(raw, kind, self.served_model)
+
+    def within_max_tokens_limit(self, parsed: ParsedRequest) -> ParsedRequest:
+        """router.max_tokens_limit: more asked is refused, naming the field; a default is cut to it."""
+        limit = self.max_tokens_limit
+        if limit is None or parsed.sampling.max_tokens <= limit:
+            return parsed
+        if parsed.max_tokens_field is not None:
+            raise protocol.ApiError(
+                400,
+                f"{parsed.max_tokens_field}={parsed.sampling.max_tokens} is more than this server's limit of "
+                f"{limit} tokens (router.max_tokens_limit)",
+                param=parsed.max_tokens_field,
+            )
+        return dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=limit))
+
+    def tokenize(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
+        if parsed.kind == "chat":
+            assert parsed.messages is not None
+            ids = self.tokenizer.apply_chat_template(
+                parsed.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids), None
+        if isinstance(parsed.prompt, str):
+            if not parsed.prompt:
+                raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+            return self.tokenizer.encode(parsed.prompt), parsed.prompt
+        ids = list(parsed.prompt or [])
+        check_token_ids(ids, self.vocab_size)
+        return ids, None
+
+    async def tokenize_off_loop(self, parsed: ParsedRequest, tenant: Tenant | None) -> tuple[list[int], str | None]:
+        if parsed.kind == "completion" and not isinstance(parsed.prompt, str):
+            if len(parsed.prompt or []) <= CHECK_IDS_ON_LOOP_MAX:
+                return self.tokenize(parsed)  # token ids: only their range is checked
+            return await asyncio.get_running_loop().run_in_executor(self.parse_thread, self.tokenize, parsed)
+        # No keys (tenant None): one queue for every client.
+        job = self.tokenizer_queue.submit(tenant.name if tenant is not None else "", self.tokenize, parsed)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancel():  # the client left while its job waited for the tokenizer: it never runs
+                raise
+            if not job.done():  # the client left mid-tokenizing: the work goes on, and keeps its place
+                self.num_orphaned += 1
+                loop = asyncio.get_running_loop()
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._orphan_done))
+            raise
+
+    def _orphan_done(self) -> None:
+        self.num_orphaned -= 1
+
+    def start(self) -> None:
+        """Start the parse process ahead of the first large body."""
+        self._parse_process_start = asyncio.get_running_loop().create_task(self.parse_process.start())
+
+    async def close(self) -> None:
+        await self.parse_process.close()
+        self.tokenizer_queue.shutdown()
+        self.parse_thread.shutdown(wait=False, cancel_futures=True)
