@@ -33,6 +33,18 @@ class _Probe:
 
 
 class HealthCheck:
+    @classmethod
+    def for_pools(cls, decode: Any, prefill: Any | None, call_timeout_s: float) -> HealthCheck:
+        """The router's: its pools by role, their reports from router.routing_state, a pool's own
+        ``report`` call (bounded by ``call_timeout_s``) where those are missing or old."""
+        from router.routing_state import takes_requests_within
+
+        async def ask(handle: Any) -> Any:
+            return await asyncio.wait_for(_awaited(handle.report.remote()), call_timeout_s)
+
+        pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
+        return cls(pools, takes_requests_within, ask)
+
     def __init__(
         self,
         pools: dict[str, Any],
@@ -90,6 +102,10 @@ class HealthCheck:
             error = type(exc).__name__
         probe.at, probe.error = self.clock(), error
         return error
+
+
+async def _awaited(response: Any) -> Any:
+    return await response
 
 
 def _name(role: str) -> str:

@@ -18,12 +18,38 @@ from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from router.metrics import RouterMetrics
 from router.planner import POOLS, Decision, Observation, PlannerConfig, PlannerState, SLOWindow, plan, pool_state
 
 logger = logging.getLogger(__name__)
 
 
 class PlannerLoop:
+    @classmethod
+    def start(
+        cls,
+        settings: dict | None,
+        both_pools: bool,
+        shards_per_replica: dict[str, int],
+        resize: Callable[[dict[str, int]], Awaitable[dict[str, int]]],
+        metrics: RouterMetrics,
+    ) -> PlannerLoop | None:
+        """The planner running on the caller's loop, when ``settings`` (PlannerConfig's fields) turn
+        it on and the router has both pools and a way to resize them; else None."""
+        config = PlannerConfig(**settings) if settings else None
+        if config is None or not config.enabled:
+            return None
+        if not both_pools:
+            logger.warning("the SLO planner sizes a prefill and a decode pool; this router has none: it is off")
+            return None
+        from router.routing_state import latest_reports
+
+        loop = cls(config, shards_per_replica, latest_reports, resize, metrics.registry)
+        metrics.slo_window = loop.window
+        loop.task = asyncio.get_running_loop().create_task(loop.run())
+        logger.info("SLO planner on: %s", config)
+        return loop
+
     def __init__(
         self,
         config: PlannerConfig,
@@ -34,6 +60,7 @@ class PlannerLoop:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.task: asyncio.Task | None = None  # run() on the router's loop, once started
         self.shards_per_replica = shards_per_replica
         self.reports = reports
         self.resize = resize

@@ -21,24 +21,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from common.block_hash import SHORT_HASH_BYTES
-from common.errors import ConfigError, InvalidRequestError, OverloadedError
+from common.errors import OverloadedError
 from common.logs import setup_logging
 from common.serving import StreamDelta
 from common.tracing import extract, setup_tracing
 from router import protocol
-from router.auth import (
-    Admission,
-    KeyRing,
-    TenantGate,
-    Unauthorized,
-    tenant_salt,
-)
+from router.admin import AdminRoutes, Resizer
+from router.auth import Admission, KeyRing, Tenant, TenantGate, tenant_salt
 from router.context_length import POOL_CALL_TIMEOUT_S, ContextLength
 from router.edge_guard import EdgeGuard, EdgePolicy
+from router.genai_attributes import gen_ai_attributes
 from router.health import HealthCheck
 from router.http_edge import (
     ClientLeft,
@@ -49,17 +44,15 @@ from router.http_edge import (
     read_body,
     refusal,
     request_ids,
-    unauthorized,
     unless_client_left,
 )
 from router.http_listener import HttpListener
-from router.intake import PromptIntake, load_tokenizer
+from router.intake import Intake, PromptIntake, load_tokenizer
 from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
-from router.planner import PlannerConfig
 from router.planner_loop import PlannerLoop
-from router.protocol import ParsedRequest, RequestKind
+from router.protocol import RequestKind
 from router.remote_prefill import RemotePrefillEstimator
 from router.responses import ResponseWriter
 
@@ -67,33 +60,6 @@ logger = logging.getLogger("pdserve.router")
 _T = TypeVar("_T")
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
-
-
-async def _await(response: Any) -> Any:
-    return await response
-
-
-def _gen_ai_attributes(operation: str, model: str, parsed: ParsedRequest, request_id: str) -> dict[str, Any]:
-    """The request's span attributes after OpenTelemetry's GenAI conventions (never the prompt)."""
-    sampling = parsed.sampling
-    attributes: dict[str, Any] = {
-        "gen_ai.operation.name": operation,
-        "gen_ai.provider.name": "pdserve",
-        "gen_ai.request.model": model,
-        "gen_ai.request.max_tokens": sampling.max_tokens,
-        "gen_ai.request.temperature": sampling.temperature,
-        "gen_ai.request.top_p": sampling.top_p,
-        "pdserve.request_id": request_id,
-    }
-    if sampling.seed is not None:
-        attributes["gen_ai.request.seed"] = sampling.seed
-    return attributes
-
-
-def _without_hashes(report: dict) -> dict:
-    packed = report.get("cached_blocks", b"")
-    shown = {key: value for key, value in report.items() if key != "cached_blocks"}
-    return {**shown, "num_cached_blocks": len(packed) // SHORT_HASH_BYTES}
 
 
 def _over_grpc(handle: Any) -> Any:
@@ -175,7 +141,7 @@ class RouterServer:
         self.keyring = keyring or KeyRing()  # empty: no key asked (ClusterConfig allows that on loopback only)
         self.tenant_gate = TenantGate()
         self.max_body_bytes = max_body_bytes
-        self.health_check = self._health_check()
+        self.health_check = HealthCheck.for_pools(decode, prefill, POOL_CALL_TIMEOUT_S)
         self.edge_policy = EdgePolicy.for_listener(host, allowed_hosts, allowed_origins)
         self.body_timeout_s = body_timeout_s
         self.num_in_flight = 0
@@ -183,23 +149,12 @@ class RouterServer:
         # internal id in flight -> (the client's request id, the decode replica streaming it). Keyed by
         # the router's own id: two requests sent with one X-Request-Id must not share an entry.
         self.serving_replica: dict[str, tuple[str, str]] = {}
-        self.scaler = scaler  # cluster.scaling.scale, for POST /pdserve/scale
-        self.model_dir = model_dir
-        self._resize: asyncio.Future | None = None  # the resize running in a thread, if any
-        self.created = int(time.time())
-        self.planner: PlannerLoop | None = None
-        planner_config = PlannerConfig(**planner) if planner else None
-        if planner_config is not None and planner_config.enabled:
-            if prefill is None or scaler is None:
-                logger.warning("the SLO planner sizes a prefill and a decode pool; this router has none: it is off")
-            else:
-                self.planner = PlannerLoop(
-                    planner_config, pool_shards or {}, latest_reports, self._resize_pools, self.metrics.registry
-                )
-                self.metrics.slo_window = self.planner.window
-                self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
-                logger.info("SLO planner on: %s", planner_config)
+        self.resizer = Resizer(scaler, self.keyring, model_dir)  # cluster.scaling.scale: POST /pdserve/scale
+        both_pools = prefill is not None and scaler is not None
+        self.planner = PlannerLoop.start(planner, both_pools, pool_shards or {}, self.resizer.resize, self.metrics)
         self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
+        admin_parts = (self.metrics, self.health_check, self.resizer, self._status, body_timeout_s)
+        self.admin = AdminRoutes(self.keyring, served_model, mode, *admin_parts)
         self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -216,11 +171,12 @@ class RouterServer:
     def _app(self) -> Any:
         api = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
         api.add_exception_handler(HTTPException, http_error)
-        api.add_api_route("/v1/models", self.models, methods=["GET"])
-        api.add_api_route("/health", self.health, methods=["GET"])
-        api.add_api_route("/pdserve/status", self.status, methods=["GET"])
-        api.add_api_route("/pdserve/scale", self.scale, methods=["POST"])
-        api.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
+        admin = self.admin
+        api.add_api_route("/v1/models", admin.models, methods=["GET"])
+        api.add_api_route("/health", admin.health, methods=["GET"])
+        api.add_api_route("/pdserve/status", admin.status, methods=["GET"])
+        api.add_api_route("/pdserve/scale", admin.scale, methods=["POST"])
+        api.add_api_route("/metrics", admin.prometheus_metrics, methods=["GET"])
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return RequestIds(EdgeGuard(api, self.edge_policy))
@@ -247,48 +203,8 @@ class RouterServer:
         if intake is not None:
             await intake.close()
 
-    # --- plain endpoints -------------------------------------------------------------------
-    async def models(self, request: Request) -> Any:
-        try:
-            self.keyring.check_any(request.headers.get("authorization"))
-        except Unauthorized as exc:
-            return error_response(unauthorized(exc))
-        card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
-        return {"object": "list", "data": [card]}
-
-    async def health(self) -> Response:
-        """From the replica reports the router has, a shared pool call only where they are missing
-        or old (router.health): 200 ok or degraded (no working prefill replica: prompts go to
-        decode), 503 when nothing can serve."""
-        status, body = await self.health_check.verdict()
-        if status == 200:
-            body["mode"] = self.mode
-        return JSONResponse(body, status_code=status)
-
-    def _health_check(self) -> HealthCheck:
-        from router.routing_state import takes_requests_within
-
-        pools = {"colocated": self.decode} if self.prefill is None else {"prefill": self.prefill, "decode": self.decode}
-        return HealthCheck(
-            pools,
-            takes_requests_within,
-            lambda handle: asyncio.wait_for(_await(handle.report.remote()), POOL_CALL_TIMEOUT_S),
-        )
-
-    async def prometheus_metrics(self) -> Response:
-        body, content_type = self.metrics.exposition()
-        return Response(body, media_type=content_type)
-
-    async def status(self, request: Request) -> Any:
-        from router.routing_state import latest_reports
-
-        try:
-            self.keyring.check_admin(request.headers.get("authorization"))
-        except Unauthorized as exc:
-            return error_response(unauthorized(exc))
-
-        # Block hashes stay inside the router: they tell what other tenants' prompts begin with.
-        pools = {pool: [_without_hashes(report) for report in reports] for pool, reports in latest_reports().items()}
+    def _status(self) -> dict[str, Any]:
+        """GET /pdserve/status's part from this router (router.admin adds the replicas' reports)."""
         return {
             "mode": self.mode,
             "model": self.served_model,
@@ -298,48 +214,12 @@ class RouterServer:
                 {"id": internal_id, "request_id": request_id, "decode_replica": replica}
                 for internal_id, (request_id, replica) in self.serving_replica.items()
             ],
-            "pools": pools,
             "metrics": self.metrics.snapshot(),
             "retries": self.orchestrator.num_retries,
             "resumes": self.orchestrator.num_resumes,
             "planner": self.planner.status() if self.planner is not None else None,
             "event_loop_lag_max_s": self.loop_lag.worst_recent_s(),  # the last minute's worst
         }
-
-    async def scale(self, request: Request) -> Any:
-        """Admin: resize pools, ``{"decode": 2}``; answers once Serve runs the new counts (the
-        scaler, cluster.scaling's: a local cluster's redeploys with only num_replicas changed and
-        this router's own keyring and model directory; a declared app's sets the targets through
-        Serve's external scaling API; either way the router and its streams stay). One resize
-        at a time: 409 while one runs, even one whose caller left."""
-        try:
-            self.keyring.check_admin(request.headers.get("authorization"))
-        except Unauthorized as exc:
-            return error_response(unauthorized(exc))
-        try:
-            body = protocol.decode_body(await read_body(request, 4096, self.body_timeout_s))
-            if not isinstance(body, dict) or not body or not all(isinstance(k, str) for k in body):
-                raise InvalidRequestError('write the pools to resize as {"decode": 2, "prefill": 1}')
-            replicas = await self._resize_pools(body)
-        except ConfigError as exc:  # a pool the mode does not have, a count below 1, too few CPUs
-            return error_response(protocol.api_error_from_exception(InvalidRequestError(str(exc))))
-        except (protocol.ApiError, InvalidRequestError) as exc:
-            return error_response(protocol.api_error_from_exception(exc))
-        except Exception as exc:  # Serve refused the deploy: the admin sees why
-            logger.exception("resize to %s failed", body)
-            return error_response(protocol.ApiError(500, f"the resize failed: {exc}", type="server_error"))
-        logger.info("pools resized: %s", replicas)
-        return {"replicas": replicas}
-
-    async def _resize_pools(self, counts: dict[str, int]) -> dict[str, int]:
-        """Every pool's count once Serve runs ``counts`` (the admin's resize, or the planner's)."""
-        if self.scaler is None:
-            raise InvalidRequestError("this router was started without a scaler (not by cluster.app)")
-        if self._resize is not None and not self._resize.done():
-            raise protocol.ApiError(409, "another resize is running; retry when it is done", code="conflict")
-        resize = asyncio.get_running_loop().run_in_executor(None, self.scaler, counts, self.keyring, self.model_dir)
-        self._resize = resize
-        return await asyncio.shield(resize)  # a thread cannot be cancelled: it runs to its end
 
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -351,35 +231,11 @@ class RouterServer:
     async def _handle(self, request: Request, kind: RequestKind) -> Response:
         internal_id, request_id = request_ids(request)
         started = time.monotonic()
-        admission = None
-        admitting = False
-        try:
-            # Who and how much before any work: the key, then room (those still being read and
-            # tokenized count: the body is held whole), then the tenant's concurrency and rate.
-            tenant = self.keyring.tenant(request.headers.get("authorization"))
-            in_flight = self.num_in_flight + self.num_admitting + self.intake.num_orphaned
-            if in_flight >= self.max_concurrent_requests:
-                raise OverloadedError(f"{in_flight} requests in flight (max_concurrent_requests); retry later")
-            self.num_admitting += 1
-            admitting = True
-            admission = self.tenant_gate.admit(tenant) if tenant is not None else None
-            raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
-            intake = await self.intake.take(raw, kind, tenant)
-            parsed, prompt_ids, prompt_text = intake.parsed, intake.prompt_ids, intake.prompt_text
-            if admission is not None:
-                self.tenant_gate.charge_tokens(admission, len(prompt_ids) + parsed.sampling.max_tokens)
-        except BaseException as exc:
-            if admission is not None:  # refused or cancelled before any pool work: nothing was used
-                self.tenant_gate.release(admission, 0)
-            if not isinstance(exc, Exception):
-                raise
-            error = refusal(exc)
-            self.metrics.request_failed(error.status)
-            logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
-            return error_response(error)
-        finally:
-            if admitting:
-                self.num_admitting -= 1
+        admitted = await self._admit(request, kind, request_id)
+        if isinstance(admitted, Response):
+            return admitted
+        tenant, admission, intake = admitted
+        parsed, prompt_ids = intake.parsed, intake.prompt_ids
         logger.info(
             "request %s (%s): %d prompt tokens, stream=%s", request_id, internal_id, len(prompt_ids), parsed.stream
         )
@@ -392,10 +248,51 @@ class RouterServer:
             tenant_salt(tenant, parsed.cache_salt),
             trace_context=extract(request.headers),  # a client's W3C traceparent: its span is the parent
             span_name=f"{operation} {self.served_model}",
-            attributes=_gen_ai_attributes(operation, self.served_model, parsed, request_id),
+            attributes=gen_ai_attributes(operation, self.served_model, parsed, request_id),
             arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
         )
         deltas = self._tracked(run, started, internal_id, request_id, len(prompt_ids), admission)
+        return await self._respond(request, intake, deltas, internal_id, request_id)
+
+    async def _admit(
+        self, request: Request, kind: RequestKind, request_id: str
+    ) -> tuple[Tenant | None, Admission | None, Intake] | Response:
+        """Who and how much before any work: the key, then room (those still being read and
+        tokenized count: the body is held whole), then the tenant's concurrency and rate; then the
+        body, read and taken in (router.intake). A refusal is the response to send."""
+        admission = None
+        admitting = False
+        try:
+            tenant = self.keyring.tenant(request.headers.get("authorization"))
+            in_flight = self.num_in_flight + self.num_admitting + self.intake.num_orphaned
+            if in_flight >= self.max_concurrent_requests:
+                raise OverloadedError(f"{in_flight} requests in flight (max_concurrent_requests); retry later")
+            self.num_admitting += 1
+            admitting = True
+            admission = self.tenant_gate.admit(tenant) if tenant is not None else None
+            raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
+            intake = await self.intake.take(raw, kind, tenant)
+            if admission is not None:
+                self.tenant_gate.charge_tokens(admission, len(intake.prompt_ids) + intake.parsed.sampling.max_tokens)
+            return tenant, admission, intake
+        except BaseException as exc:
+            if admission is not None:  # refused or cancelled before any pool work: nothing was used
+                self.tenant_gate.release(admission, 0)
+            if not isinstance(exc, Exception):
+                raise
+            error = refusal(exc)
+            self.metrics.request_failed(error.status)
+            logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
+            return error_response(error)
+        finally:
+            if admitting:
+                self.num_admitting -= 1
+
+    async def _respond(
+        self, request: Request, intake: Intake, deltas: AsyncIterator[StreamDelta], internal_id: str, request_id: str
+    ) -> Response:
+        """The answer once the pools have the request: a status while nothing is sent (a refusal or
+        a failure before the first token), else the JSON body or the event stream."""
         try:
             first = await unless_client_left(request, deltas.__anext__())  # refusals surface here
         except ClientLeft:
@@ -412,13 +309,13 @@ class RouterServer:
             await deltas.aclose()
             logger.warning("request %s failed: %s", request_id, first.error)
             return error_response(failed())
-        headers: dict[str, str] = {}
+        parsed, prompt_ids, prompt_text = intake.parsed, intake.prompt_ids, intake.prompt_text
         response_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + internal_id
         if parsed.stream:
             events = self.responses.sse(parsed, response_id, prompt_ids, prompt_text, first, deltas)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
-            collected = self.responses.collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, headers)
+            collected = self.responses.collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, {})
             return await unless_client_left(request, collected)
         except ClientLeft:
             logger.info("request %s: the client left before its answer", request_id)

@@ -241,7 +241,7 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             assert (await request("/pdserve/scale", "sk-admin-0001", {"colocated": 0}))[0] == 400
             assert (await request("/pdserve/scale", "sk-admin-0001", {}))[0] == 400
             first = asyncio.ensure_future(request("/pdserve/scale", "sk-admin-0001", {"colocated": 2}))
-            while server._resize is None or server._resize.done():  # until the first resize runs
+            while server.resizer.running is None or server.resizer.running.done():  # until the first resize runs
                 await asyncio.sleep(0.01)
             refused = await request("/pdserve/scale", "sk-admin-0001", {"colocated": 3})
             assert refused[0] == 409, refused

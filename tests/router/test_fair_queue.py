@@ -89,10 +89,15 @@ def test_the_router_queues_each_request_for_the_tokenizer_under_its_tenant(smol_
                 for key in ["sk-bulk-00001"] * 3 + ["sk-other-0001"]
             ]
             for _ in range(300):
-                if server.intake.tokenizer_queue.queued("bulk") == 3 and server.intake.tokenizer_queue.queued("other") == 1:
+                if (
+                    server.intake.tokenizer_queue.queued("bulk") == 3
+                    and server.intake.tokenizer_queue.queued("other") == 1
+                ):
                     break
                 await asyncio.sleep(0.02)
-            assert server.intake.tokenizer_queue.queued("bulk") == 3 and server.intake.tokenizer_queue.queued("other") == 1
+            assert (
+                server.intake.tokenizer_queue.queued("bulk") == 3 and server.intake.tokenizer_queue.queued("other") == 1
+            )
             release.set()
             assert [status for status, _, _ in await asyncio.gather(*calls)] == [200] * 5
         finally:

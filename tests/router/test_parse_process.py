@@ -11,10 +11,10 @@ import pytest
 
 from common.errors import InvalidRequestError, OverloadedError
 from router import protocol
+from router.intake import decode_and_parse
 from router.parse_process import ParseProcess, verdict
 from router.prompt_bounds import PromptBounds
 from router.protocol import ApiError
-from router.intake import decode_and_parse
 from tests.router.test_request_limits import serve  # noqa: F401  (fixture)
 
 BOUNDS = PromptBounds(max_model_len=64, max_token_chars=8, vocab_size=1000)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from router.protocol import ApiError
 from router.http_edge import read_body
+from router.protocol import ApiError
 
 
 def _request(chunks: list[bytes], headers: dict[str, str] | None = None) -> Request:

@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator
 
 from common.serving import StreamDelta, TTFTBreakdown
 from router import protocol
+from router.admin import AdminRoutes, Resizer
+from router.auth import KeyRing
 from router.context_length import ContextLength
+from router.health import HealthCheck
 from router.metrics import RouterMetrics
 from router.responses import ResponseWriter
 from router.server import RouterServer
@@ -161,11 +164,12 @@ def test_health_is_degraded_without_a_working_prefill_replica_and_down_without_a
 
     server = BareServer()
     server.mode, server.decode, server.prefill = "disagg", CountingPool(8192), CountingPool(8192)
-    server.health_check = server._health_check()
+    check = HealthCheck.for_pools(server.decode, server.prefill, 10.0)
+    admin = AdminRoutes(KeyRing(), "smol", "disagg", server.metrics, check, Resizer(None, KeyRing(), ""), dict, 30.0)
     monkeypatch.setattr(routing_state, "_LATEST", {})
 
     def health() -> tuple[int, dict]:
-        response = asyncio.run(server.health())
+        response = asyncio.run(admin.health())
         return response.status_code, json.loads(response.body)
 
     assert health() == (200, {"status": "ok", "mode": "disagg"})  # no report yet: each pool asked once
