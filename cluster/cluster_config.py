@@ -166,7 +166,7 @@ class RouterConfig:
     # sooner (decode_pool/prefill_site.py). It computes it in chunks beside its decode batch, each
     # step spending at most local_prefill_max_stall_s on prompt tokens (at least 32 of them).
     # On by default (as Dynamo's disaggregated router does): on a small host it more than doubles
-    # goodput (README). False: every prompt goes to the prefill pool (DistServe's experiments).
+    # goodput (docs/benchmarks.md). False: every prompt goes to the prefill pool (DistServe's experiments).
     conditional_disaggregation: bool = True
     local_prefill_max_stall_s: float = 0.05
     # Ray custom resources the router replica asks for, e.g. {"ingress": 0.01}: keeps it on the node
@@ -239,12 +239,12 @@ class ClusterConfig:
     kv_host: str = "127.0.0.1"
     kv_advertise_host: str | None = None
     # How each KV chunk's payload is checked (kv_transfer.protocol): mac (Poly1305 under a one-time
-    # key from the ticket's secret: catches tampering and corruption; ~10-13 GB/s a CPU core, README
+    # key from the ticket's secret: catches tampering and corruption; ~10-13 GB/s a CPU core, docs/security.md
     # "KV integrity"), crc32 (corruption only) or none (the chunk's header is signed either way).
     kv_integrity: str = "mac"
     # true: a prefill replica pushes each prompt chunk's completed KV blocks while its next chunk
     # computes, so only the last chunk's are left to travel once the prompt is done; false: the whole
-    # prompt leaves during its last chunk; null: true on CUDA, false on CPU (README "KV pushed chunk
+    # prompt leaves during its last chunk; null: true on CUDA, false on CPU (docs/benchmarks.md "KV pushed chunk
     # by chunk": on CPU the last chunk's compute hides the transfer already).
     kv_push_every_chunk: bool | None = None
     # Tokens per streamed chunk after the first (vLLM's --stream-interval): fewer chunks cost less

@@ -160,7 +160,7 @@ class KVConnectorConfig:
     # the last chunk's blocks are left to travel once the prompt is done. False: the whole prompt's
     # KV leaves during its last chunk. None: every chunk on CUDA, the last chunk on CPU, where the
     # last chunk's compute already hides the whole transfer and the pushes of earlier chunks cost
-    # the prompt's steps 2-9% (README "KV pushed chunk by chunk").
+    # the prompt's steps 2-9% (docs/benchmarks.md "KV pushed chunk by chunk").
     push_every_chunk: bool | None = None
 
     def __post_init__(self) -> None:

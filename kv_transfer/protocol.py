@@ -21,7 +21,7 @@ payload that does not match its check is refused too. The check is the sender's 
             who can change the payload can make its CRC match
     mac     32 bytes: a random 16-byte nonce, then the payload's Poly1305 tag under a key used
             for this payload only, HMAC-SHA256(ticket secret, label + nonce). Catches both.
-            Poly1305 runs at ~10-13 GB/s on one core where HMAC-SHA256 ran at ~1.8 (README
+            Poly1305 runs at ~10-13 GB/s on one core where HMAC-SHA256 ran at ~1.8 (docs/security.md
             "KV integrity"); a Poly1305 key must never tag two messages, hence the one-time key
 
 A receiver may require a check at least as strong as its own ``require_integrity`` (the cluster's

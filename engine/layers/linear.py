@@ -41,7 +41,7 @@ def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
         # Measured on x86 only; elsewhere (Arm) MKL's or OpenBLAS's product on column-major weights
         # stays. On AVX2 (emulated on an AVX-512 EPYC: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2,
         # MKL_ENABLE_INSTRUCTIONS=AVX2), the offline job of 64 x 256/64 tokens took 43.6-48.8 s
-        # packed against 51.2-53.2 s through MKL (README, "bfloat16 on CPUs without it").
+        # packed against 51.2-53.2 s through MKL (docs/benchmarks.md, "bfloat16 on CPUs without it").
         capability = torch.backends.cpu.get_cpu_capability()
         return capability.startswith("AVX512") or capability == "AVX2"
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

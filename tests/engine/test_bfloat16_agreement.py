@@ -7,7 +7,7 @@ bfloat16 must stray from float32 no more than transformers' own bfloat16 does. T
 which holds on every ISA: on AVX-512 and AMX machines oneDNN runs both sides' products; on an
 AVX2-only one (no native bfloat16) torch's own loops do. Measured here (2,109 positions): on
 AVX-512 the two bf16 runs agreed at 0.9972 and each with float32 at 0.9953; on AVX2 (emulated)
-0.9967, pdserve with float32 at 0.9957 and transformers at 0.9953 (README, "bfloat16 on CPUs
+0.9967, pdserve with float32 at 0.9957 and transformers at 0.9953 (docs/benchmarks.md, "bfloat16 on CPUs
 without it"). The margins on other inputs: ``python -m bench.bf16_drift``."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_a_receiver_bound_on_loopback_is_named_by_its_advertised_host_and_reacha
 
 @pytest.mark.parametrize("backend", ["tcp", "grpc", "auto"])
 def test_a_receiver_on_every_interface_starts_and_is_named_by_its_advertised_host(backend):
-    """The multi-host set-up the README gives (kv_host 0.0.0.0 and an advertised address): each
+    """The multi-host set-up docs/security.md gives (kv_host 0.0.0.0 and an advertised address): each
     backend dialed by host binds every interface, and the ticket's endpoint is the advertised one.
     (tcp and auto refused the wildcard once, so every decode replica failed at start.)"""
     side, _ = make_side(1, fill=False)
