@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _REQUEST = struct.Struct("!II")
 _ANSWER = struct.Struct("!BI")
 _PARSED, _REFUSED = 0, 1
+NICENESS = 10  # added to the router's: the child yields the CPU to the engines
 
 
 def verdict(raw: bytes, kind: str, served_model: str, bounds: PromptBounds) -> tuple[int, bytes]:
@@ -69,7 +70,12 @@ def refusal_from(payload: bytes) -> Exception:
 
 
 def serve_forever(source, sink) -> None:  # type: ignore[no-untyped-def]
-    """The child's loop: one body in, one verdict out, until the router closes the pipe."""
+    """The child's loop: one body in, one verdict out, until the router closes the pipe. It runs
+    at a lower CPU priority (NICENESS): a flood of huge bodies slows its own parsing, not the
+    engines' steps on a host whose cores they share (measured: a minute of back-to-back 30 MiB
+    bodies on the 2-core machine doubled the good clients' TTFT p99 at equal priority)."""
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
     while header := source.read(_REQUEST.size):
         header_len, body_len = _REQUEST.unpack(header)
         meta = json.loads(source.read(header_len))

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
+import psutil
 import pytest
 
 from common.errors import InvalidRequestError, OverloadedError
 from router import protocol
 from router.intake import decode_and_parse
-from router.parse_process import ParseProcess, verdict
+from router.parse_process import NICENESS, ParseProcess, verdict
 from router.prompt_bounds import PromptBounds
 from router.protocol import ApiError
 from tests.router.test_request_limits import serve  # noqa: F401  (fixture)
@@ -77,6 +79,8 @@ def test_a_real_child_answers_in_order_and_a_dead_one_is_replaced_for_the_next_b
             big = json.dumps({"model": "m", "prompt": [7] * 10, "junk": [0] * 500_000}).encode()
             reduced = await process.reduce(big, "completion", "m", BOUNDS)
             assert json.loads(reduced) == {"model": "m", "prompt": [7] * 10}
+            # It yields the CPU: its niceness is the router's plus NICENESS.
+            assert psutil.Process(process._child.pid).nice() == min(19, os.nice(0) + NICENESS)
             too_long = json.dumps({"model": "m", "prompt": [7] * 500_000}).encode()
             with pytest.raises(InvalidRequestError, match="maximum context length is 64"):
                 await process.reduce(too_long, "completion", "m", BOUNDS)
