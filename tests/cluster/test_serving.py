@@ -312,7 +312,7 @@ def test_the_replicas_info_lines_reach_their_logs(cluster):
     assert re.search(r" INFO engine\.", text)  # the engines' own start-up lines (kernels, layer stack)
 
 
-# Ray's own daemons, which bind every interface whatever pdserve asks (README "What Ray exposes").
+# Ray's own daemons, which bind every interface whatever pdserve asks (docs/security.md, "What Ray exposes").
 RAY_DAEMONS = (
     "gcs_server",
     "raylet",
@@ -368,6 +368,31 @@ def test_nothing_of_pdserve_listens_off_loopback(cluster):
         c.laddr.ip for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN" and c.laddr.port == cluster.port
     ]
     assert router == ["127.0.0.1"], router
+
+
+def test_ray_s_services_refuse_a_client_without_the_cluster_s_token(cluster, tmp_path):
+    """Ray's daemons listen on every interface (above), so what guards them is Ray's token
+    authentication, on for a local cluster by default since Ray 2.52 (the token in
+    ~/.ray/auth_token): a process that joins with the token is let in; one without it (a home with
+    no token, authentication off on its side) is refused by the GCS itself."""
+    import subprocess
+    import sys
+
+    import ray
+
+    cluster.ensure(**DISAGG)
+    gcs = ray.get_runtime_context().gcs_address
+    join = "import ray, sys; ray.init(address=sys.argv[1]); print('JOINED', flush=True)"
+
+    def joins(home: str, mode: str) -> tuple[bool, str]:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "HOME": home, "RAY_AUTH_MODE": mode}
+        done = subprocess.run([sys.executable, "-c", join, gcs], env=env, capture_output=True, text=True, timeout=120)
+        return done.returncode == 0 and "JOINED" in done.stdout, done.stderr[-3000:]
+
+    joined, _ = joins(os.path.expanduser("~"), "token")
+    assert joined, "the control: a process holding the token joins"
+    joined, why = joins(str(tmp_path), "disabled")
+    assert not joined and "InvalidAuthToken" in why, why  # the GCS's refusal, not the client's
 
 
 # --- under load, errors, disconnects (prefill TP=3 → decode TP=1 over shared memory) ------------
