@@ -49,14 +49,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def expected(cluster, smol_dir, hf_smol, hf_reference):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smol_dir))
-    return {
-        prompt: tokenizer.decode(hf_reference(hf_smol, tokenizer.encode(prompt), MAX_TOKENS), skip_special_tokens=True)
-        for prompt in PROMPTS
-    }
+def expected(greedy_text):
+    return {prompt: greedy_text(prompt, MAX_TOKENS) for prompt in PROMPTS}
 
 
 def stream(port: int, prompt: str) -> tuple[int, float, str]:
