@@ -851,6 +851,17 @@ def test_overload_is_refused_with_503_and_retry_after(cluster):
     cluster.wait_idle()
 
 
+def _end_stopped(pid: int | None, how: signal.Signals) -> None:
+    """Once a drill has seen its clients served, a replica it stopped (SIGSTOP) is killed, as a
+    liveness probe or an operator would end it: Serve, replacing it, asks the frozen actor to shut
+    down gracefully and waits graceful_shutdown_timeout_s (the request timeout, 600 s) for an
+    answer that never comes, holding every later redeploy and resize (the drills after these took
+    ~7 minutes each)."""
+    if how == signal.SIGSTOP and pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.chaos
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, expected, how):
@@ -863,21 +874,24 @@ def test_decode_replica_killed_mid_stream_resumes_with_the_same_tokens(cluster, 
         model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
     )
     text, killed = [], None
-    for chunk in chunks:
-        text.extend(c.text for c in chunk.choices)
-        if killed is None and len(text) >= 3:
-            status = cluster.status()
-            (serving,) = [r["decode_replica"] for r in status["requests"]]
-            (killed,) = [r["pid"] for r in status["pools"]["decode"] if r["replica_id"] == serving]
-            assert killed > 0  # never os.kill(0, ...): that is this whole process group
-            os.kill(killed, how)
-            stopped_at = time.monotonic()
-    assert killed is not None
-    assert "".join(text) == expected(prompt, max_tokens)
-    if how == signal.SIGSTOP:
-        assert time.monotonic() - stopped_at < 60  # the watchdog's 5 s and the rest of the stream
-    status = cluster.status()
-    assert status["resumes"] == 1
+    try:
+        for chunk in chunks:
+            text.extend(c.text for c in chunk.choices)
+            if killed is None and len(text) >= 3:
+                status = cluster.status()
+                (serving,) = [r["decode_replica"] for r in status["requests"]]
+                (killed,) = [r["pid"] for r in status["pools"]["decode"] if r["replica_id"] == serving]
+                assert killed > 0  # never os.kill(0, ...): that is this whole process group
+                os.kill(killed, how)
+                stopped_at = time.monotonic()
+        assert killed is not None
+        assert "".join(text) == expected(prompt, max_tokens)
+        if how == signal.SIGSTOP:
+            assert time.monotonic() - stopped_at < 60  # the watchdog's 5 s and the rest of the stream
+        status = cluster.status()
+        assert status["resumes"] == 1
+    finally:
+        _end_stopped(killed, how)
     cluster.wait_idle(timeout_s=180)  # Serve replaces the dead replica; the survivors hold nothing
 
 
@@ -932,15 +946,18 @@ def test_prefill_replica_killed_mid_prefill_is_retried_elsewhere(cluster, expect
         assert time.monotonic() < deadline, status
         time.sleep(0.5)
         status = cluster.status()
-    with long_prompts_in_flight(
-        cluster, expected, 6, f"Replica drill {how.name}"
-    ):  # the prefill pool is busy for seconds with these
-        victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
-        assert victim["pid"] > 0  # never os.kill(0, ...): that is this whole process group
-        os.kill(victim["pid"], how)
-        hit = time.monotonic()
-    assert time.monotonic() - hit < 2 * 30.0  # every prompt answered within twice the KV lease
-    assert cluster.status()["retries"] >= 1
+    victim = max(status["pools"]["prefill"], key=lambda r: r["replica_id"])
+    assert victim["pid"] > 0  # never os.kill(0, ...): that is this whole process group
+    try:
+        with long_prompts_in_flight(
+            cluster, expected, 6, f"Replica drill {how.name}"
+        ):  # the prefill pool is busy for seconds with these
+            os.kill(victim["pid"], how)
+            hit = time.monotonic()
+        assert time.monotonic() - hit < 2 * 30.0  # every prompt answered within twice the KV lease
+        assert cluster.status()["retries"] >= 1
+    finally:
+        _end_stopped(victim["pid"], how)
     cluster.wait_idle(timeout_s=180)
 
 
