@@ -138,4 +138,5 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(ApiError(exc.status_code, message, type=kind, headers=exc.headers))  # 405: Allow
+    headers = dict(exc.headers) if exc.headers else None  # 405: Allow
+    return error_response(ApiError(exc.status_code, message, type=kind, headers=headers))
