@@ -58,8 +58,7 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 def decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
-    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-    return parse(protocol.decode_body(raw), served_model)
+    return protocol.parse_request(protocol.decode_body(raw), served_model, kind)
 
 
 class PromptIntake:

@@ -34,7 +34,7 @@ from pathlib import Path
 from common.errors import InvalidRequestError, OverloadedError
 from router import protocol
 from router.prompt_bounds import PromptBounds, check_bounds
-from router.protocol import ApiError
+from router.protocol import ApiError, RequestKind
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,12 @@ _PARSED, _REFUSED = 0, 1
 NICENESS = 10  # added to the router's: the child yields the CPU to the engines
 
 
-def verdict(raw: bytes, kind: str, served_model: str, bounds: PromptBounds) -> tuple[int, bytes]:
+def verdict(raw: bytes, kind: RequestKind, served_model: str, bounds: PromptBounds) -> tuple[int, bytes]:
     """The child's answer for one body: (_PARSED, the known fields re-encoded) or (_REFUSED, the
     refusal's fields)."""
     try:
         body = protocol.decode_body(raw)
-        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-        check_bounds(parse(body, served_model), bounds)
+        check_bounds(protocol.parse_request(body, served_model, kind), bounds)
     except ApiError as exc:
         refusal = {"class": "api", "status": exc.status, "message": exc.message, "type": exc.type}
         return _REFUSED, json.dumps(refusal | {"param": exc.param, "code": exc.code, "headers": exc.headers}).encode()
@@ -96,7 +95,7 @@ class ParseProcess:
         self.num_parsed = 0
         self.num_restarts = 0
 
-    async def reduce(self, raw: bytes, kind: str, served_model: str, bounds: PromptBounds) -> bytes:
+    async def reduce(self, raw: bytes, kind: RequestKind, served_model: str, bounds: PromptBounds) -> bytes:
         """The body's known fields, re-encoded, once the child found it a request within
         ``bounds``; else the refusal the router would have made, raised."""
         meta = json.dumps({"kind": kind, "served_model": served_model, "bounds": dataclasses.asdict(bounds)}).encode()
@@ -154,12 +153,6 @@ class ParseProcess:
             child.kill()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(child.wait(), 5)
-
-    def kill_now(self) -> None:
-        """From a finalizer, where no awaiting is possible."""
-        if self._child is not None and self._child.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._child.kill()
 
 
 if __name__ == "__main__":

@@ -146,6 +146,11 @@ def parse_chat_request(body: object, served_model: str) -> ParsedRequest:
     return _parse(body, served_model, "chat")
 
 
+def parse_request(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
+    """The parse for ``kind``'s route: /v1/chat/completions ("chat") or /v1/completions."""
+    return parse_chat_request(body, served_model) if kind == "chat" else parse_completion_request(body, served_model)
+
+
 def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -57,7 +57,6 @@ from router.remote_prefill import RemotePrefillEstimator
 from router.responses import ResponseWriter
 
 logger = logging.getLogger("pdserve.router")
-_T = TypeVar("_T")
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 
