@@ -32,18 +32,13 @@ from typing import Any, TypeVar
 
 from common.errors import EngineStopped, OverloadedError
 from common.outputs import CompletionOutput, RequestOutput
-from engine.kv_handoff import SentKV
+from engine.handoff.watches import HandoffWatches
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MAX_KV_EVENTS = 4096
 _ROOM_WAIT_MARGIN_S = 5.0
-# After a prefill step that finished prompts, how long the thread may wait for their hand-offs'
-# acknowledgements before the next step: this share of the step just run, and never longer than
-# the cap (see _wait_for_acknowledgements).
-_ACK_WAIT_SHARE = 0.1
-_MAX_ACK_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -59,25 +54,6 @@ class _RoomWaiter:
     fn: Callable[[LLMEngine], Any]
     future: concurrent.futures.Future
     deadline: float  # time.monotonic()
-
-
-@dataclass(frozen=True, slots=True)
-class HandoffEnded:
-    """What a prefill-role request's caller learns once its KV hand-off has ended."""
-
-    output: RequestOutput | None  # the prefilled output; None when the engine failed
-    failure: str | None
-    sent: SentKV | None = None  # the transfer's figures, when it started
-    ended_at: float | None = None  # time.monotonic() on the engine thread when the end was seen
-
-
-@dataclass(slots=True)
-class HandoffWatch:
-    """A prefill-role request whose caller waits until its KV hand-off has ended."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    output: RequestOutput | None = None  # the finished (prefilled) output, once seen
 
 
 class AsyncEngine:
@@ -97,7 +73,7 @@ class AsyncEngine:
         self._room_waiters: collections.deque[_RoomWaiter] = collections.deque()  # engine thread only
         self._missed: tuple[_RoomWaiter, int] | None = None  # the head that last did not fit, and free blocks then
         self._streams: dict[str, _Stream] = {}
-        self._handoffs: dict[str, HandoffWatch] = {}
+        self._handoffs = HandoffWatches(idle_poll_s)  # prefill role: callers waiting for hand-offs' ends
         self._idle_poll_s = idle_poll_s
         self._stopping = threading.Event()
         self.error: str | None = None  # why the engine thread stopped, if it failed
@@ -196,9 +172,7 @@ class AsyncEngine:
     def watch_handoff(self, engine: LLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """Prefill role, on the engine thread (inside ``call``, before the request is added): a future
         resolved with a HandoffEnded once the request's KV hand-off ends."""
-        watch = HandoffWatch(loop, loop.create_future())
-        self._handoffs[request_id] = watch
-        return watch.future
+        return self._handoffs.watch(request_id, loop)
 
     async def cached_block_hashes(self) -> tuple[list[bytes], int]:
         """Every block hash in the prefix cache now, and ``kv_events_lost`` then; on the engine
@@ -217,7 +191,7 @@ class AsyncEngine:
         dropped on the engine thread, which alone touches that table."""
 
         def abort(engine: LLMEngine) -> None:
-            self._handoffs.pop(request_id, None)
+            self._handoffs.drop(request_id)
             engine.abort_request(request_id, error)
 
         try:
@@ -265,8 +239,8 @@ class AsyncEngine:
                 self.num_steps += 1
                 self._publish()  # before the outputs go out: a caller that sees them sees this state
                 self._dispatch(outputs)
-                self._check_handoffs()
-                self._wait_for_acknowledgements(time.monotonic() - step_started)
+                self._handoffs.settle(self.engine)
+                self._handoffs.wait_for_acknowledgements(self.engine, time.monotonic() - step_started)
                 self._serve_room_waiters()
                 if not outputs and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
                     time.sleep(self._idle_poll_s)  # only hand-offs are open: poll, don't spin
@@ -372,47 +346,10 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 deliveries.setdefault(stream.loop, []).append((stream.outputs, output))
-            watch = self._handoffs.get(output.request_id)
-            if watch is not None and output.finished:
-                watch.output = output
+            if output.finished:
+                self._handoffs.see(output)
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_put_each, items)
-
-    def _check_handoffs(self) -> None:
-        engine = self.engine
-        for request_id in [r for r in engine.transfer_failures if r not in self._handoffs]:
-            del engine.transfer_failures[request_id]  # nobody waits for it (aborted): only logged
-        for request_id in [r for r in engine.transfers_sent if r not in self._handoffs]:
-            del engine.transfers_sent[request_id]
-        for request_id, watch in list(self._handoffs.items()):
-            if watch.output is None:
-                continue
-            failure = engine.transfer_failures.pop(request_id, None)
-            if failure is None and request_id in engine.scheduler.handoff:
-                continue  # still sending
-            if watch.output.error is not None:
-                failure = watch.output.error
-            del self._handoffs[request_id]
-            sent = engine.transfers_sent.pop(request_id, None)
-            _resolve(watch.loop, watch.future, HandoffEnded(watch.output, failure, sent, time.monotonic()))
-
-    def _wait_for_acknowledgements(self, step_s: float) -> None:
-        """Prefill role: before another step's forward pass, give the hand-offs this step just
-        finished a moment to be acknowledged. Without it an acknowledgement is seen only after that
-        next step, whose seconds the router's last token then waits out for prefill's reply (a
-        request's cached tokens), and its source blocks stay held as long. Bounded by a share of
-        the step just run, so at most that share of prefill throughput goes to waiting; usually
-        the receivers answer within a millisecond or two and the wait ends at once."""
-        engine = self.engine
-        if not self._handoffs or not (engine.scheduler.waiting or engine.scheduler.running):
-            return  # nothing watched, or no step to wait behind (the idle loop polls anyway)
-        deadline = time.monotonic() + min(_MAX_ACK_WAIT_S, _ACK_WAIT_SHARE * step_s)
-        while any(watch.output is not None for watch in self._handoffs.values()):
-            engine.poll_handoffs()
-            self._check_handoffs()
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(self._idle_poll_s)
 
     def _fail_streams_now(self, error: str) -> None:
         """From the shard watchdog's thread: a shard died while this thread may be inside a step it
@@ -426,9 +363,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: str) -> None:
         self._fail_streams_now(error)
-        for watch in list(self._handoffs.values()):
-            _resolve(watch.loop, watch.future, HandoffEnded(None, error))
-        self._handoffs.clear()
+        self._handoffs.fail_all(error)
         while self._room_waiters:
             self._finish_waiter(self._room_waiters.popleft(), error=EngineStopped(f"the engine stopped: {error}"))
         while True:
@@ -438,14 +373,6 @@ class AsyncEngine:
                 break
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineStopped(f"the engine stopped: {error}"))
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
-    def _set() -> None:
-        if not future.done():
-            future.set_result(value)
-
-    loop.call_soon_threadsafe(_set)
 
 
 def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

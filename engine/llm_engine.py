@@ -20,15 +20,14 @@ from common.config import MIN_STALL_CHUNK_TOKENS, EngineConfig, EngineRole
 from common.errors import InvalidRequestError, OverloadedError
 from common.kv_events import KVCacheEvent, PrefixCacheStats
 from common.kv_layout import KVCacheLayout
-from common.kv_messages import ConnectorStep, ShardReport
+from common.kv_messages import ConnectorStep
 from common.outputs import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
-from common.serving import KV_LOAD_FAILED
 from engine.distributed.parallel import pick_device
 from engine.executor import Executor, WorkerLauncher
+from engine.handoff import BlockFate, HandoffActions, SentKV, make_handoff
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector import model_fingerprint
-from engine.kv_handoff import KVHandoff, SentKV
 from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
@@ -61,7 +60,6 @@ class EngineStats:
     kv: PrefixCacheStats
 
 
-_MAX_TRANSFERS_KEPT = 4096  # ended hand-offs a caller has not taken (AsyncEngine takes each at once)
 _MIN_PREFILL_TOKENS_TIMED = 32  # a step with fewer prefill tokens times its overhead, not prefill
 _NEWEST_STEP_WEIGHT = 0.2  # of the newest step in the moving average
 
@@ -109,20 +107,17 @@ class LLMEngine:
         every_chunk = config.kv_connector.push_every_chunk
         if every_chunk is None:
             every_chunk = pick_device(config.model.device).type == "cuda"
-        self.handoff = (
-            KVHandoff(config.parallel.tensor_parallel_size, config.cache.block_size if every_chunk else None)
-            if self.executor.has_connector
-            else None
+        # This role's side of the KV hand-off (engine.handoff): its hooks say what to do, the
+        # engine does it.
+        self.handoff = make_handoff(
+            config.scheduler.role,
+            self.executor.has_connector,
+            config.parallel.tensor_parallel_size,
+            config.cache.block_size if every_chunk else None,
         )
-        self.transfer_failures: dict[str, str] = {}  # prefill role: request id -> why its KV did not arrive
-        self.transfers_sent: dict[str, SentKV] = {}  # prefill role: ended hand-offs, until their caller takes them
-        self.num_kv_lease_expirations = 0
-        self.num_prefills_expired = 0  # prefill role: prompts dropped uncomputed, their lease run out
-        self.num_kv_pushes_cancelled = 0  # prefill role: pushes cut off mid-prompt (aborted, preempted)
         self.prefill_tokens_per_s = 0.0  # measured, see _record_prefill_steps; 0 until a prefill ran
         self.decode_step_s = 0.0  # a step with no prompt tokens (moving average); 0 until one ran
         self.num_steps_out_of_memory = 0  # steps whose requests ended for want of device memory
-        self.num_kv_transfer_failures = 0
 
     def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
         """On where it applies: one shard (a step ahead takes its input ids from the driver's
@@ -149,8 +144,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         # A push still ending (its request preempted mid-prompt) keeps its id: the shards key it so.
-        sending = self.handoff is not None and request_id in self.handoff.sending
-        if request_id in self.outputs.states or request_id in self.scheduler.requests or sending:
+        held = self.handoff.holds_id(request_id)
+        if request_id in self.outputs.states or request_id in self.scheduler.requests or held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -188,10 +183,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Prefill role with a connector: ``kv_ticket`` (a kv_transfer ticket as a
         dict) says where to push its KV, layer by layer, as its prompt is computed."""
-        if kv_ticket is not None and (self.handoff is None or self.role is not EngineRole.PREFILL):
-            raise InvalidRequestError("kv_ticket needs a prefill-role engine with a kv_connector", param="kv_ticket")
-        if kv_ticket is not None and (not isinstance(kv_ticket, dict) or kv_ticket.get("request_id") != request_id):
-            raise InvalidRequestError(f"kv_ticket is not a ticket for request {request_id!r}", param="kv_ticket")
+        if kv_ticket is not None:
+            self.handoff.check_ticket(request_id, kv_ticket)
         request, text = self._new_request(request_id, prompt, params, cache_salt)
         if not self.can_accept():
             raise OverloadedError(
@@ -201,8 +194,7 @@ class LLMEngine:
         self.outputs.add(request, text, _generator(request.sampling_params.seed, self.executor.driver.device))
         self.scheduler.add_request(request)
         if kv_ticket is not None:
-            assert self.handoff is not None
-            self.handoff.send_on_prefill(request_id, kv_ticket)
+            self.handoff.accept_ticket(request_id, kv_ticket)
 
     def cached_prefix_tokens(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading prompt tokens this engine's prefix cache holds now (a lookup; nothing is held)."""
@@ -231,14 +223,9 @@ class LLMEngine:
     def expect_kv(self, request_id: str, kv_ticket: dict) -> None:
         """Decode role: KV for a reserved request will arrive through the connector under this ticket;
         the request starts decoding by itself when every shard has it, or ends with the error."""
-        assert self.handoff is not None, "expect_kv needs an engine with a kv_connector"
         assert request_id in self.scheduler.reserved, f"{request_id} has no reservation"
-        if not isinstance(kv_ticket, dict) or kv_ticket.get("request_id") != request_id:
-            raise InvalidRequestError(f"kv_ticket is not a ticket for request {request_id!r}", param="kv_ticket")
-        self.handoff.expect(request_id)
         # Registered on every shard now, before the caller hands the ticket to prefill.
-        self.executor.connector_step(ConnectorStep(expects=[kv_ticket]))
-        self._apply_handoff(self.executor.finish_step(None))
+        self._round(self.handoff.expect(request_id, kv_ticket))
 
     def kv_ready(self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
         """Decode role: the prompt's KV is in the reserved blocks and prefill sampled ``first_token_id``.
@@ -260,65 +247,40 @@ class LLMEngine:
         if deferred is not None:  # its last token's output goes out before the ending one
             self._deferred.remove(deferred)
             self._emit_if_live(deferred)
-        if self.handoff is not None and request_id in self.handoff.tickets:
-            self.handoff.drop(request_id)  # aborted before its prompt was done: nothing was sent
-        if self.handoff is not None and request_id in self.handoff.pushing:
-            # Part of its prompt's KV is on the wire: the push is cancelled now, and the blocks are
-            # held until every shard reports it ended (the sending threads may still read them).
-            self.handoff.cancel(request_id)
-            self._end_cancelled_push(request_id, status, error)
-            return
-        if self.handoff is not None and request_id in self.handoff.sending:
-            return  # its KV is on the wire: the blocks are released when the transfer ends
-        if self.handoff is not None and request_id in self.handoff.receiving:
-            self.handoff.receiving.discard(request_id)
-            # Every shard stops accepting this request's chunks before its blocks can be reused.
-            self.executor.connector_step(ConnectorStep(forget=[request_id]))
-            self._apply_handoff(self.executor.finish_step(None))
-        request = self.scheduler.finish_request(request_id, status, error)
-        if request is not None and request_id in self.outputs.states:
-            self._outputs_outside_step.append(self.outputs.build(request_id))
-
-    def _end_cancelled_push(
-        self, request_id: str, status: RequestStatus, error: str | None, told: bool = False
-    ) -> None:
-        """A request whose push was just cancelled ends; its blocks stay held until the shards report
-        the transfer ended. ``told``: the shards have the cancel already."""
-        assert self.handoff is not None
-        self.num_kv_pushes_cancelled += 1
-        request = self.scheduler.hold_for_handoff(request_id, status, error)
-        if not told:
-            self.executor.connector_step(self.handoff.connector_step(None))
-            self._apply_handoff(self.executor.finish_step(None))
-        if request is not None and request_id in self.outputs.states:
-            self._outputs_outside_step.append(self.outputs.build(request_id))
+        plan = self.handoff.on_abort(request_id)
+        if plan.blocks is BlockFate.ON_THE_WIRE:
+            return  # its prompt is done and pushed: the blocks are released when the transfer ends
+        if plan.blocks is BlockFate.HOLD:  # held before the shards hear of the cancel
+            request = self.scheduler.hold_for_handoff(request_id, status, error)
+            if plan.orders is not None:
+                self._round(plan.orders)
+        else:  # freed once the shards stopped writing into them
+            if plan.orders is not None:
+                self._round(plan.orders)
+            request = self.scheduler.finish_request(request_id, status, error)
+        self._emit_ended(request)
 
     def poll_handoffs(self) -> None:
-        """Prefill role: take the shards' transfer reports without computing anything, so a hand-off
-        acknowledged since the last step is released (and its caller told) now, not after the next
-        step's forward pass, which on a busy prefill replica can take seconds."""
-        if self.handoff is None or not self.handoff.sending:
-            return
-        self.executor.connector_step(self.handoff.connector_step(None))
-        self._apply_handoff(self.executor.finish_step(None))
+        """Take the shards' transfer reports without computing anything, so a hand-off acknowledged
+        since the last step is released (and its caller told) now."""
+        orders = self.handoff.poll()
+        if orders is not None:
+            self._round(orders)
 
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         results: list[RequestOutput] = []
-        if self.handoff is not None and (self.handoff.tickets or self.handoff.push_leases):
-            self._drop_expired_prefills()
+        self._carry_out(self.handoff.before_schedule(time.monotonic()))
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             scheduled = self.scheduler.schedule(self.prompt_token_cap())
             self.num_preemptions += len(scheduled.preempted_request_ids)
-            if self.handoff is not None and self.handoff.pushing:
-                self._end_preempted_pushes(scheduled.preempted_request_ids)
-            plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
+            ended, plan = self.handoff.after_schedule(scheduled)
+            self._carry_out(ended)
             if scheduled.is_empty:
                 self._emit_deferred()
-                if self.handoff is not None and plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
-                    self.executor.connector_step(plan)
-                    self._apply_handoff(self.executor.finish_step(None))
+                if plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
+                    self._round(plan)
                 return self._take_outputs_outside_step()
             try:
                 launched = self._launch(scheduled, plan)
@@ -347,7 +309,8 @@ class LLMEngine:
         started = max(launched.started, self._device_free_at)
         self._device_free_at = ended = self._step_ended(launched)
         self._record_prefill_steps(launched.scheduled, started, ended)
-        reports = self.executor.finish_step(sampled) if self.handoff is not None else None
+        # With a connector, every step's end gathers each shard's report (engine.executor).
+        reports = self.executor.finish_step(sampled) if self.executor.has_connector else None
         # With the next step already queued, outputs are made now, while it runs.
         defer = self.overlap_outputs and self._in_flight is None
         for request in self.scheduler.update_from_output(launched.scheduled, sampled):
@@ -359,7 +322,7 @@ class LLMEngine:
                 output.kv_block_ids = self.kv.block_ids(request.request_id)
             results.append(output)
         if reports is not None:
-            self._apply_handoff(reports)
+            self._carry_out(self.handoff.after_step(reports))
         # Outputs made outside a step (aborts, first tokens of KV arrivals) leave once a step succeeded.
         results = self._take_outputs_outside_step() + results
         if ahead_failed is not None:  # its requests end after the tokens this step gave them
@@ -412,8 +375,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self.prompt_token_cap(), may_preempt=False, skip=ending)
         if scheduled.is_empty:
             return None, None
-        plan = self.handoff.connector_step(scheduled) if self.handoff is not None else None
-        assert plan is None or not plan.pushes, "a prefill replica schedules no step ahead"
+        ended, plan = self.handoff.after_schedule(scheduled)
+        assert not ended.end and (plan is None or not plan.pushes), "a prefill replica schedules no step ahead"
         try:
             ahead = self._launch(scheduled, plan, previous=launched)
         except torch.OutOfMemoryError as exc:
@@ -458,51 +421,18 @@ class LLMEngine:
         num_tokens = scheduled.num_batched_tokens
         logger.warning("a step of %d tokens ran out of memory: its requests end: %s", num_tokens, exc)
         request_ids = list(dict.fromkeys(chunk.request_id for chunk in scheduled.chunks))
-        abandoned = [rid for rid in request_ids if self.handoff is not None and self.handoff.abandon(rid)]
-        if self.handoff is not None:
-            if abandoned:  # the cancels reach the shards first: the step's end then finishes nothing
-                self.executor.connector_step(self.handoff.connector_step(None))
-            self._apply_handoff(self.executor.finish_step(None))
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
         error = (
             f"out of memory computing a step of {num_tokens} tokens on {self._device}; retry, or send a shorter prompt"
         )
-        for request_id in request_ids:
-            if request_id in abandoned:
-                self._end_cancelled_push(request_id, RequestStatus.FINISHED_ERROR, error, told=True)
-            else:
-                self.abort_request(request_id, error=error)
+        orders, actions = self.handoff.after_failed_step(request_ids, error)
+        if self.executor.has_connector:  # the failed step ends on every shard's connector too
+            if orders is not None:  # cancels reach the shards first: the step's end then finishes nothing
+                self.executor.connector_step(orders)
+            self._carry_out(self.handoff.after_step(self.executor.finish_step(None)))
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._carry_out(actions)
         return self._take_outputs_outside_step()
-
-    def _end_preempted_pushes(self, preempted: list[str]) -> None:
-        """Prefill role: a request preempted mid-prompt whose KV push had started ends with an error
-        (the router retries it under a fresh ticket). Its blocks are already free: the push,
-        cancelled in this step's message, may still read them while they are reused, which only
-        corrupts KV that no receiver will ever count as done."""
-        assert self.handoff is not None
-        for request_id in preempted:
-            if request_id not in self.handoff.pushing:
-                continue
-            self.handoff.cancel(request_id)
-            self.num_kv_pushes_cancelled += 1
-            logger.warning("%s: preempted mid-prompt with its KV push started; it ends (retryable)", request_id)
-            error = "preempted while its KV was being pushed; retry"
-            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error)
-            if request is not None and request_id in self.outputs.states:
-                self._outputs_outside_step.append(self.outputs.build(request_id))
-
-    def _drop_expired_prefills(self) -> None:
-        """Prefill role: a prompt whose ticket's lease has run out would be computed for nobody (the
-        decode replica freed its reservation), so it ends now with that error, before another chunk
-        of it is computed, and the router retries it under a fresh ticket or gives up (a push begun
-        with its first chunks is cancelled)."""
-        assert self.handoff is not None
-        now = time.monotonic()  # leases are durations, each process's deadline on its own clock
-        for request_id in self.handoff.expired(now):
-            self.num_prefills_expired += 1
-            logger.warning("%s: its KV lease ran out before its prompt was computed; dropped", request_id)
-            self.abort_request(request_id, error="the KV lease expired before the prompt was computed")
 
     def prompt_token_cap(self) -> int | None:
         """How many prompt tokens a step beside decodes may compute (SchedulerConfig.max_decode_stall_s)."""
@@ -561,44 +491,33 @@ class LLMEngine:
         outputs, self._outputs_outside_step = self._outputs_outside_step, []
         return outputs
 
-    def _apply_handoff(self, reports: list[ShardReport]) -> None:
-        assert self.handoff is not None
-        result = self.handoff.merge(reports)
-        for request_id, reason in result.failed_pushes:
-            # Failed mid-prompt (a receiver refused it, its lease ran out): so does the request, its
-            # blocks held until every shard's push, cancelled in the next message, has let go of them.
-            self.num_kv_transfer_failures += 1
-            logger.warning("KV push of %s failed mid-prompt: %s", request_id, reason)
-            error = f"KV transfer failed: {reason}"
-            request = self.scheduler.hold_for_handoff(request_id, RequestStatus.FINISHED_ERROR, error)
-            if request is not None and request_id in self.outputs.states:
-                self._outputs_outside_step.append(self.outputs.build(request_id))
-        for sent in result.sent:
-            request_id = sent.request_id
-            if sent.cancelled:  # cut off mid-prompt and counted then; the request has ended
-                self.scheduler.release(request_id)  # its held blocks (none left if it was preempted)
-                continue
-            if sent.failure is not None:
-                self.transfer_failures[request_id] = sent.failure
-                self.num_kv_transfer_failures += 1
-                logger.warning("KV hand-off of %s failed: %s", request_id, sent.failure)
-            self.transfers_sent[request_id] = sent
-            if len(self.transfers_sent) > _MAX_TRANSFERS_KEPT:  # nobody took the oldest (a bare engine)
-                del self.transfers_sent[next(iter(self.transfers_sent))]
-            self.scheduler.release(request_id)  # every shard is done reading the source blocks
-        for request_id, first_token in result.received:
+    def _round(self, orders: ConnectorStep) -> None:
+        """The shards take orders without a forward pass and report back."""
+        self.executor.connector_step(orders)
+        self._carry_out(self.handoff.after_step(self.executor.finish_step(None)))
+
+    def _carry_out(self, actions: HandoffActions) -> None:
+        """What a hand-off hook returned, in its fields' order."""
+        for ending in actions.end:
+            rid, status, error = ending.request_id, ending.status, ending.error
+            if ending.hold_blocks:
+                self._emit_ended(self.scheduler.hold_for_handoff(rid, status, error))
+            else:
+                self._emit_ended(self.scheduler.finish_request(rid, status, error))
+        for request_id in actions.release:
+            self.scheduler.release(request_id)
+        for request_id, first_token in actions.landed:
             self.kv_ready(request_id, first_token)
-        if result.failed_receives:
-            # One shard failed; others may still accept chunks. All of them stop before the blocks
-            # can be reused (reports of this extra round are dropped: open transfers report again).
-            forget = [request_id for request_id, _ in result.failed_receives]
-            self.executor.connector_step(ConnectorStep(forget=forget))
+        if actions.forget_now:
+            self.executor.connector_step(ConnectorStep(forget=actions.forget_now))
             self.executor.finish_step(None)
-        for request_id, reason in result.failed_receives:
-            self.num_kv_transfer_failures += 1
-            # Counted where the lease is held (the decode side), so a pool-wide sum counts each once.
-            self.num_kv_lease_expirations += "lease expired" in reason  # kv_transfer.receiver's wording
-            self.abort_request(request_id, error=f"{KV_LOAD_FAILED}: {reason}")
+        for request_id, error in actions.abort:
+            self.abort_request(request_id, error=error)
+
+    def _emit_ended(self, request: Request | None) -> None:
+        """A request ended outside a step: its last output goes out with the next step's."""
+        if request is not None and request.request_id in self.outputs.states:
+            self._outputs_outside_step.append(self.outputs.build(request.request_id))
 
     # --- introspection ---------------------------------------------------------------------
     def can_accept(self) -> bool:
@@ -616,7 +535,7 @@ class LLMEngine:
             or bool(self._outputs_outside_step)
             or bool(self._deferred)
             or self._in_flight is not None
-            or (self.handoff is not None and self.handoff.busy)
+            or self.handoff.busy
         )
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -644,6 +563,33 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+    # The hand-off's figures (engine.handoff), under the names a replica's load report gives them.
+    @property
+    def transfers_sent(self) -> dict[str, SentKV]:
+        """Prefill role: hand-offs ended on every shard, until their caller takes them."""
+        return self.handoff.ended
+
+    @property
+    def transfer_failures(self) -> dict[str, str]:
+        """Prefill role: of those, why each failed one's KV did not arrive."""
+        return {rid: sent.failure for rid, sent in self.handoff.ended.items() if sent.failure is not None}
+
+    @property
+    def num_kv_transfer_failures(self) -> int:
+        return self.handoff.counts.num_kv_transfer_failures
+
+    @property
+    def num_kv_lease_expirations(self) -> int:
+        return self.handoff.counts.num_kv_lease_expirations
+
+    @property
+    def num_prefills_expired(self) -> int:
+        return self.handoff.counts.num_prefills_expired
+
+    @property
+    def num_kv_pushes_cancelled(self) -> int:
+        return self.handoff.counts.num_kv_pushes_cancelled
 
     @property
     def role(self) -> EngineRole:

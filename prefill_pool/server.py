@@ -25,8 +25,8 @@ from common.outputs import RequestMetrics
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest
 from common.tracing import setup_tracing
-from engine.async_engine import HandoffEnded
 from engine.executor import WorkerLauncher
+from engine.handoff.watches import HandoffEnded
 from engine.llm_engine import LLMEngine
 from engine.replica import EngineReplica, serve_replica_id, start_replica_engine
 
