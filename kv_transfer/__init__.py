@@ -12,7 +12,7 @@ One word per thing:
 
     hand-off   one request's passage from prefill to decode: its ticket handed out, its transfer,
                the first token back. The pools and the router speak of it; the engine's driver
-               keeps it across its shards (engine.kv_handoff.KVHandoff).
+               keeps each role's side across its shards (engine.handoff).
     ticket     decode's grant for one request: the blocks it reserved, where to send them, the
                layout, the lease and the secret that signs every chunk (KVTicket).
     transfer   the KV bytes of one hand-off moving between one prefill shard and the decode

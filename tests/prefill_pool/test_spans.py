@@ -9,8 +9,8 @@ from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ServeRequest, StreamDelta
 from decode_pool.prefill_site import PrefillSite
 from decode_pool.server import DecodeTimeline, record_decode_spans
-from engine.async_engine import HandoffEnded
 from engine.handoff import SentKV
+from engine.handoff.watches import HandoffEnded
 from prefill_pool.server import record_prefill_spans
 
 ATTEMPT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # the router's attempt span
