@@ -63,7 +63,7 @@ from common.env import SERVE_PROCESS_ENV
 from common.sampling_params import SamplingParams
 from common.serving import PrefillResult, ReplicaReport, ServeRequest, StreamDelta, TicketIssued
 from engine.model_loader import DEFAULT_MODEL_NAME, resolve_model_dir
-from router import protocol
+from router import openai_bodies as bodies
 from router.http_listener import HttpListener
 from router.server import RouterServer
 
@@ -175,9 +175,9 @@ async def _sse_chunks(model: str, max_tokens: int, token_interval_s: float) -> A
         if i and token_interval_s:
             await asyncio.sleep(token_interval_s)
         finish = "length" if i == max_tokens - 1 else None
-        yield protocol.sse(protocol.completion_chunk(response_id, model, created, _TOKEN_TEXT, finish))
-    yield protocol.sse(protocol.usage_chunk(response_id, model, created, protocol.usage(5, max_tokens)))
-    yield protocol.SSE_DONE
+        yield bodies.sse(bodies.completion_chunk(response_id, model, created, _TOKEN_TEXT, finish))
+    yield bodies.sse(bodies.usage_chunk(response_id, model, created, bodies.usage(5, max_tokens)))
+    yield bodies.SSE_DONE
 
 
 class Bypass:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi.responses import JSONResponse, Response
 
 from common.serving import StreamDelta
-from router import protocol
+from router import openai_bodies as bodies
 from router.http_edge import error_response, failed
 from router.protocol import ParsedRequest
 
@@ -38,8 +38,8 @@ class ResponseWriter:
         if parsed.logprobs is None or not delta.logprobs:
             return None
         if parsed.kind == "chat":
-            return protocol.chat_logprobs(delta.logprobs, self._token_text)
-        return protocol.completion_logprobs(delta.logprobs, self._token_text, text_offset)
+            return bodies.chat_logprobs(delta.logprobs, self._token_text)
+        return bodies.completion_logprobs(delta.logprobs, self._token_text, text_offset)
 
     async def collect(self, parsed, response_id, prompt_ids, prompt_text, first, deltas, headers) -> Response:
         text: list[str] = []
@@ -55,18 +55,18 @@ class ResponseWriter:
             logger.warning("request %s failed: %s", response_id, last.error)
             return error_response(failed())
         model, created = self.served_model, int(time.time())
-        usage = protocol.usage(len(prompt_ids), num_tokens, last.num_cached_tokens, last.ttft_breakdown)
-        finish = protocol.openai_finish_reason(last.finish_reason)
+        usage = bodies.usage(len(prompt_ids), num_tokens, last.num_cached_tokens, last.ttft_breakdown)
+        finish = bodies.openai_finish_reason(last.finish_reason)
         merged = StreamDelta(response_id, [], "", logprobs=logprobs or None)
         if parsed.kind == "chat":
             content = "".join(text)
-            body = protocol.chat_response(
+            body = bodies.chat_response(
                 response_id, model, created, content, finish, usage, self._logprobs(parsed, merged, 0)
             )
         else:
             prefix = (prompt_text or self.decode(prompt_ids)) if parsed.echo else ""
             lp = self._logprobs(parsed, merged, len(prefix))
-            body = protocol.completion_response(response_id, model, created, prefix + "".join(text), finish, usage, lp)
+            body = bodies.completion_response(response_id, model, created, prefix + "".join(text), finish, usage, lp)
         return JSONResponse(body, headers=headers)
 
     async def sse(self, parsed, response_id, prompt_ids, prompt_text, first, deltas) -> AsyncIterator[bytes]:
@@ -76,38 +76,38 @@ class ResponseWriter:
         breakdown = None
         try:
             if chat:
-                yield protocol.sse(protocol.chat_chunk(response_id, model, created, role="assistant", content=""))
+                yield bodies.sse(bodies.chat_chunk(response_id, model, created, role="assistant", content=""))
             elif parsed.echo:
                 prefix = prompt_text or self.decode(prompt_ids)
                 offset = len(prefix)
-                yield protocol.sse(protocol.completion_chunk(response_id, model, created, prefix))
+                yield bodies.sse(bodies.completion_chunk(response_id, model, created, prefix))
             async for delta in chain(first, deltas):
                 num_tokens += len(delta.new_token_ids)
                 cached = delta.num_cached_tokens
                 breakdown = delta.ttft_breakdown  # set on the last delta only
                 if delta.error is not None:
                     logger.warning("request %s failed mid-stream: %s", response_id, delta.error)
-                    yield protocol.sse_error(failed())
+                    yield bodies.sse_error(failed())
                     break
-                finish = protocol.openai_finish_reason(delta.finish_reason)
+                finish = bodies.openai_finish_reason(delta.finish_reason)
                 if not delta.new_text and finish is None and not delta.logprobs:
                     continue
                 logprobs = self._logprobs(parsed, delta, offset)
                 offset += len(delta.new_text)
                 if chat:
-                    chunk = protocol.chat_chunk(
+                    chunk = bodies.chat_chunk(
                         response_id, model, created, content=delta.new_text, finish_reason=finish, logprobs=logprobs
                     )
                 else:
-                    chunk = protocol.completion_chunk(response_id, model, created, delta.new_text, finish, logprobs)
-                yield protocol.sse(chunk)
+                    chunk = bodies.completion_chunk(response_id, model, created, delta.new_text, finish, logprobs)
+                yield bodies.sse(chunk)
             if parsed.include_usage:
-                usage = protocol.usage(len(prompt_ids), num_tokens, cached, breakdown)
-                yield protocol.sse(protocol.usage_chunk(response_id, model, created, usage, parsed.kind))
-            yield protocol.SSE_DONE
+                usage = bodies.usage(len(prompt_ids), num_tokens, cached, breakdown)
+                yield bodies.sse(bodies.usage_chunk(response_id, model, created, usage, parsed.kind))
+            yield bodies.SSE_DONE
         except Exception:  # headers are out: the error travels as an event, and the stream still ends
             logger.exception("request %s: stream failed", response_id)
-            yield protocol.sse_error(failed())
-            yield protocol.SSE_DONE
+            yield bodies.sse_error(failed())
+            yield bodies.SSE_DONE
         finally:
             await deltas.aclose()  # a client gone mid-stream lands here: cancel on both pools

@@ -551,7 +551,7 @@ def test_decode_failing_on_its_own_is_no_kv_load_failure_even_under_fail():
 
 
 def test_once_decode_failed_a_prefill_that_never_answers_is_waited_for_a_moment_only(monkeypatch):
-    from router import orchestrator as module
+    from router import attempt as module
 
     monkeypatch.setattr(module, "_PREFILL_FACTS_WAIT_S", 0.2)  # 5 s in production
     never = asyncio.Event()  # the first prefill reply never comes

@@ -13,12 +13,8 @@ from common.outputs import TokenLogprob
 from common.sampling_params import SamplingParams
 from common.serving import TTFTBreakdown
 from router import protocol
-from router.protocol import (
-    DEFAULT_MAX_TOKENS_CHAT,
-    KNOWN_FIELDS,
+from router.openai_bodies import (
     SSE_DONE,
-    ApiError,
-    api_error_from_exception,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -26,12 +22,18 @@ from router.protocol import (
     completion_logprobs,
     completion_response,
     openai_finish_reason,
-    parse_chat_request,
-    parse_completion_request,
     sse,
     sse_error,
     usage,
     usage_chunk,
+)
+from router.protocol import (
+    DEFAULT_MAX_TOKENS_CHAT,
+    KNOWN_FIELDS,
+    ApiError,
+    api_error_from_exception,
+    parse_chat_request,
+    parse_completion_request,
 )
 
 MODEL = "smol"
@@ -514,7 +516,7 @@ def test_sse_framing():
 def test_router_modules_import_no_torch_ray_or_engine():
     # The router process must not pull in torch, Ray or the engine just to parse and place requests.
     code = (
-        "import sys, router.protocol, router.placement; "
+        "import sys, router.protocol, router.openai_bodies, router.placement; "
         "print(sorted(m for m in ('torch', 'ray', 'engine') if m in sys.modules))"
     )
     repo_root = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 
 from common.block_hash import hash_full_blocks, pack_short_hashes, short_hashes
 from common.serving import PrefillResult, RemotePrefillEstimate, ServeRequest
-from router.orchestrator import Orchestrator, _NoObserver
+from router.orchestrator import NoObserver, Orchestrator
 from router.pool_placement import PoolPlacement
 from router.remote_prefill import RemotePrefillEstimator
 from tests.router.test_orchestrator import GREEDY, TOKENS, FakeDecode, FakePrefill, FakeStream, tokens
@@ -75,7 +75,7 @@ class LocalWhenAsked(FakeDecode):
         return stream
 
 
-class Sites(_NoObserver):
+class Sites(NoObserver):
     def __init__(self) -> None:
         self.sites: list[bool] = []
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from common.serving import StreamDelta, TTFTBreakdown
+from router import openai_bodies as bodies
 from router import protocol
 from router.admin import AdminRoutes, Resizer
 from router.auth import KeyRing
@@ -46,7 +47,7 @@ async def deltas() -> AsyncIterator[StreamDelta]:
 
 
 def expected_usage() -> dict:
-    return protocol.usage(len(PROMPT), 2, 0, BREAKDOWN)
+    return bodies.usage(len(PROMPT), 2, 0, BREAKDOWN)
 
 
 def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metric_counts_it_once():
@@ -96,7 +97,7 @@ def test_the_streamed_usage_chunk_carries_it_when_usage_is_asked_for():
         stream = deltas()
         first = await stream.__anext__()
         chunks = [c async for c in server.responses.sse(parsed, "cmpl-r", PROMPT, "hi", first, stream)]
-        return [json.loads(c[6:]) for c in chunks if c != protocol.SSE_DONE]
+        return [json.loads(c[6:]) for c in chunks if c != bodies.SSE_DONE]
 
     *_, tail = asyncio.run(events(asked))
     assert tail["choices"] == [] and tail["usage"] == expected_usage()
