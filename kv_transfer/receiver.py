@@ -65,6 +65,7 @@ class ReceiveStatus:
     reason: str | None
     first_token_id: int | None
     layers_complete: int  # layers whose every segment has landed (layer-wise progress)
+    payloads_arriving: int = 0  # chunks whose payload a transport is receiving into the blocks now
 
 
 @contextlib.contextmanager
@@ -120,7 +121,8 @@ class KVReceiver:
                 return ReceiveStatus(TransferState.FAILED, "no such ticket", None, 0)
             incoming.expire_if_due()
             complete = self._completion.layers_complete(incoming)
-            return ReceiveStatus(incoming.state, incoming.reason, incoming.first_token_id, complete)
+            arriving = len(incoming.in_flight)
+            return ReceiveStatus(incoming.state, incoming.reason, incoming.first_token_id, complete, arriving)
 
     def stats(self, request_id: str) -> TransferStats | None:
         incoming = self._tickets.incoming.get(request_id)

@@ -56,6 +56,9 @@ class KVChannel(ABC):
     # Below this, a piece costs more as its own message than two copies of its bytes (~70 us a gloo
     # message, measured), so a sender copies several layers of such pieces into one payload instead.
     in_place_min_piece_bytes = 256 << 10
+    # Connections (pairs) this channel has opened: one for as long as the receiver keeps it, a new
+    # one after it was closed, idled out, or broke off mid-exchange.
+    num_connects = 0
 
     @abstractmethod
     def send(self, header: bytes, payload: memoryview | bytes, timeout_s: float, tag: str | None = None) -> None:

@@ -134,6 +134,12 @@ class HttpListener:
     def serving(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def accepting(self) -> bool:
+        """Whether its listening socket takes new connections (False once ``stop`` closed it,
+        while responses in flight may still drain)."""
+        return any(server.is_serving() for server in getattr(self._server, "servers", ()))
+
     def failure(self) -> BaseException | None:
         """Why the server stopped on its own, if it did."""
         if self._stopping or self._task is None or not self._task.done():

@@ -675,6 +675,7 @@ class _TcpChannel(KVChannel):
             raise ConnectionError(f"{self.endpoint} did not greet: {exc}") from None
         if status == _OK:
             self._sock = sock
+            self.num_connects += 1
         else:
             sock.close()
         return status, reason

@@ -739,6 +739,7 @@ class _TorchDistChannel(KVChannel):
                     pair.close()
                     raise
             self._pair = pair
+            self.num_connects += 1
         except RuntimeError as exc:  # DistError: store or rendezvous
             message = str(exc).splitlines()[0]
             kind = TimeoutError if "timeout" in message.lower() or "timed out" in message.lower() else ConnectionError

@@ -110,6 +110,13 @@ class LocalCluster:
     def status(self) -> dict:
         return get_json(self.url + "/pdserve/status")
 
+    def metric(self, name: str, label: str = "") -> float:
+        """The router's metric ``name`` (summed over its series whose labels contain ``label``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            lines = response.read().decode().splitlines()
+        series = [line for line in lines if line.startswith(name + "{") and label in line.partition("}")[0]]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in series)
+
     def wait_idle(self, timeout_s: float = 60.0) -> dict:
         """Poll until nothing is in flight, every replica of every pool holds zero request blocks,
         and each pool has its configured number of replicas, every process of them alive (a killed

@@ -455,18 +455,15 @@ def test_kv_payloads_are_checked_by_default_and_a_failed_hand_off_recomputes():
 
 
 def test_a_pool_s_ray_resources_go_into_every_shard_s_bundle_and_bad_ones_are_refused():
-    from cluster.app import _pool_deployment
+    from cluster.app import replica_placement
 
     config = load_cluster_config(
         overrides={"mode": "disagg", "decode.tensor_parallel_size": 2, "decode.ray_resources": {"decode_node": 1}}
     )
     assert config.decode.ray_resources == {"decode_node": 1} and config.prefill.ray_resources is None
     assert ClusterConfig.from_dict(config.to_dict()) == config
-    deployment = _pool_deployment(config, "decode", "/nonexistent/model")._bound_deployment
-    bundles = deployment._replica_config.placement_group_bundles
-    assert bundles == [{"CPU": 1.0, "decode_node": 1}] * 2
-    prefill = _pool_deployment(config, "prefill", "/nonexistent/model")._bound_deployment
-    assert prefill._replica_config.placement_group_bundles == [{"CPU": 1.0}]
+    assert replica_placement(config, "decode")["placement_group_bundles"] == [{"CPU": 1.0, "decode_node": 1}] * 2
+    assert replica_placement(config, "prefill")["placement_group_bundles"] == [{"CPU": 1.0}]
     for bad in ({"CPU": 2}, {"node": 0}, {"node": "one"}, ["node"], {"": 1}, {"node": 1.5}, {"object_store_memory": 1}):
         with pytest.raises(ConfigError, match="ray_resources"):
             load_cluster_config(overrides={"prefill.ray_resources": bad})
@@ -509,7 +506,7 @@ def test_the_planner_s_budget_on_a_local_cpu_cluster_is_the_host_s_cores_and_eac
     assert resolved.prefill.replicas == resolved.decode.replicas == 1
     given = with_resolved_cores(load_cluster_config(overrides={"planner.enabled": True, "planner.budget": 4}), 6)
     assert given.planner.budget == 4  # a budget set is kept
-    kwargs = build_app(resolved, model_dir="/nonexistent/model")._bound_deployment._replica_config.init_kwargs
+    kwargs = build_app(resolved, model_dir="/nonexistent/model")._bound_deployment.init_kwargs
     assert kwargs["pool_shards"] == {"prefill": 2, "decode": 2} and kwargs["planner"]["budget"] == 16
     # At these defaults a burst gets its replicas: 2 + 2 cores used of 16.
     from router.planner import Observation, PlannerConfig, PlannerState, PoolState, plan

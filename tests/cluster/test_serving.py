@@ -103,11 +103,13 @@ def chat(api: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = MAX_TO
 
 @contextlib.contextmanager
 def long_prompts_in_flight(cluster: LocalCluster, expected, count: int, tag: str) -> Iterator[None]:
-    """``count`` long prompts sent at once; the body runs half a second later, while they are
-    prefilling. On leaving, every one must have answered exactly (none refused or failed). Each
-    starts with ``tag``: no prefix cache holds them, so they take the prefill pool seconds."""
+    """``count`` long prompts sent at once; the body runs once the router has handed every one of
+    them to the prefill pool, while they are prefilling. On leaving, every one must have answered
+    exactly (none refused or failed). Each starts with ``tag``: no prefix cache holds them, so they
+    take the prefill pool seconds."""
     prompts = [f"{tag} {i}. {long_text(2)} Question {i}: what did the keepers do?" for i in range(count)]
     results: dict[int, str] = {}
+    sent_to_prefill = cluster.metric("pdserve:prefill_site_total", 'site="remote"')
 
     def one(i: int) -> None:
         response = client(cluster).completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
@@ -116,7 +118,10 @@ def long_prompts_in_flight(cluster: LocalCluster, expected, count: int, tag: str
     threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while cluster.metric("pdserve:prefill_site_total", 'site="remote"') < sent_to_prefill + count:
+        assert time.monotonic() < deadline, "the prompts never reached the prefill pool"
+        time.sleep(0.02)
     try:
         yield
     finally:

@@ -122,6 +122,14 @@ def test_a_request_that_can_never_fit_is_refused_at_once_not_queued(decode):
     assert asyncio.run(run()) == 0
 
 
+async def engine_thread_pass(engine) -> None:
+    """Returns once the engine thread has made a whole pass of its loop (commands, then the waiters
+    for room) after everything queued before: the second of two commands runs after the pass that
+    followed the first."""
+    for _ in range(2):
+        await engine.call(lambda e: None)
+
+
 def test_callers_cancelled_at_any_moment_leave_the_queue_consistent(decode):
     total = decode.engine.layout.num_blocks
 
@@ -133,14 +141,14 @@ def test_callers_cancelled_at_any_moment_leave_the_queue_consistent(decode):
                 await asyncio.sleep(0.001 * (i % 3))
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await asyncio.sleep(0.3)  # the engine thread drops what was left (its idle wait is 0.1 s)
+        await engine_thread_pass(decode)  # the engine thread drops what was left
         assert decode.is_healthy and decode.num_waiting_for_room == 0
         # Every place came back: two fit, a third is refused.
         waiters = [
             asyncio.ensure_future(decode.call_when_room(reserve(f"w{i}", tokens_for(decode, 1)), timeout_s=30))
             for i in range(2)
         ]
-        await asyncio.sleep(0.2)
+        await engine_thread_pass(decode)  # both hold their places
         with pytest.raises(OverloadedError, match="already waiting"):
             await decode.call_when_room(reserve("third", tokens_for(decode, 1)), timeout_s=30)
         await decode.call(lambda e: e.abort_request("holder"))

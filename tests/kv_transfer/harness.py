@@ -209,3 +209,63 @@ def made_transports(cls):
     yield make
     for transport in made:
         transport.shutdown()
+
+
+def a_killed_receiver_fails_the_sender(
+    transport: KVTransport, ticket: KVTicket, kill, src_blocks: list[int], layers_before: int, shared: bool = False
+):
+    """Push ``layers_before`` layers under ``ticket`` to a receiver in another process, wait until
+    they are sent, ``kill()`` it, push the rest and the "done": the push must end FAILED, not for
+    its lease. Returns its status and the seconds from the kill to its end (each backend has its bound)."""
+    src, _ = make_side(1, fill=True, shared=shared)
+    sender = KVSender(src.layouts[0], "m", transport)
+    request_id = ticket.request_id
+    sender.start(ticket, src_blocks)
+    for layer in range(layers_before):
+        sender.send_layer(request_id, layer, src.caches[0][layer])
+    assert wait_until(lambda: sender.poll(request_id).layers_sent >= layers_before, 10), sender.poll(request_id)
+    assert sender.poll(request_id).state is TransferState.TRANSFERRING
+    kill()
+    killed = time.monotonic()
+    for layer in range(layers_before, src.layouts[0].num_layers):
+        sender.send_layer(request_id, layer, src.caches[0][layer])
+    sender.finish(request_id, 0)
+    (status,) = wait_terminal([lambda: sender.poll(request_id)], timeout_s=20)
+    seconds = time.monotonic() - killed
+    sender.close()
+    assert status.state is TransferState.FAILED and status.reason, status
+    assert "lease" not in status.reason and not ticket.is_expired(), status  # the dead peer, not the lease
+    return status, seconds
+
+
+def engine_pair(make_engine, model_dir, backend: str = "inproc", **options):
+    """A prefill and a decode engine (``make_engine(model_dir, role, tp, backend, ...)``), shut down
+    on leaving; the decode one receives."""
+    import contextlib
+
+    from common.config import EngineRole
+
+    @contextlib.contextmanager
+    def pair():
+        prefill = make_engine(model_dir, EngineRole.PREFILL, 1, backend, **options)
+        try:
+            decode = make_engine(model_dir, EngineRole.DECODE, 1, backend, receive=True)
+            try:
+                yield prefill, decode
+            finally:
+                decode.shutdown()
+        finally:
+            prefill.shutdown()
+
+    return pair()
+
+
+def reserve_with_ticket(decode, request_id: str, ids: list[int], params, lease_s: float, backend: str = "inproc"):
+    """Reserve blocks on ``decode`` for a prompt and make the ticket prefill pushes under (a dict;
+    not yet registered: the caller's ``expect_kv`` does that, as given or altered)."""
+    block_ids = decode.reserve(request_id, ids, params)
+    assert block_ids is not None, f"{request_id}: no room on the decode engine"
+    ticket = make_ticket(
+        request_id, backend, decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), lease_s
+    )
+    return ticket.to_dict()

@@ -32,6 +32,32 @@ time.sleep(600)
 """
 
 
+# A sender in another process: "ready" once its imports are done, then a ticket read from stdin,
+# two layers pushed under it and acknowledged, "sent"; what follows is the test's own.
+SENDS_TWO_LAYERS = """
+import sys, time, msgpack
+from kv_transfer import KVSender, KVTicket
+from tests.kv_transfer.harness import make_side
+IMPORT
+
+print("ready", flush=True)
+ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()), raw=False))
+src, _ = make_side(1, fill=True)
+sender = KVSender(src.layouts[0], "m", TRANSPORT)
+sender.start(ticket, [7, 8, 9, 10])
+for layer in (0, 1):
+    sender.send_layer("req-1", layer, src.caches[0][layer])
+while sender.poll("req-1").layers_sent < 2:
+    time.sleep(0.01)
+print("sent", flush=True)
+"""
+
+
+def sender_script(imports: str, transport: str, rest: str) -> str:
+    """SENDS_TWO_LAYERS over ``transport`` (an expression over ``imports``), then ``rest``."""
+    return SENDS_TWO_LAYERS.replace("IMPORT", imports).replace("TRANSPORT", transport) + rest
+
+
 def spawn_python(script: str, *args: str) -> subprocess.Popen:
     """``python -c script args`` with this repository importable, stdin and stdout piped as text."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

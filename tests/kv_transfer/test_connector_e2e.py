@@ -23,7 +23,7 @@ from engine.async_engine import load_report
 from engine.llm_engine import LLMEngine
 from kv_transfer import TransferState, make_ticket
 from tests.conftest import PROMPTS
-from tests.kv_transfer.harness import wait_until
+from tests.kv_transfer.harness import engine_pair, reserve_with_ticket, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -159,19 +159,14 @@ def test_a_decode_replica_scheduling_ahead_decodes_exactly_while_kv_lands(smol_d
 
 
 def test_the_first_token_leaves_decode_when_the_kv_lands_before_any_decode_step(smol_dir, hf_smol, hf_reference):
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    forward_passes: list[int] = []
-    execute = decode.executor.execute
-    decode.executor.execute = lambda *args, **kwargs: forward_passes.append(1) or execute(*args, **kwargs)
-    try:
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
+        forward_passes: list[int] = []
+        execute = decode.executor.execute
+        decode.executor.execute = lambda *args, **kwargs: forward_passes.append(1) or execute(*args, **kwargs)
         ids = prefill.tokenizer.encode(PROMPTS[1])
         expected = hf_reference(hf_smol, ids, 4)
         params = SamplingParams(temperature=0, max_tokens=4)
-        block_ids = decode.reserve("r", ids, params)
-        ticket = make_ticket(
-            "r", "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
-        ).to_dict()
+        ticket = reserve_with_ticket(decode, "r", ids, params, lease_s=60)
         decode.expect_kv("r", ticket)
         prefill.add_request("r", ids, params, kv_ticket=ticket)
         first = []
@@ -187,28 +182,13 @@ def test_the_first_token_leaves_decode_when_the_kv_lands_before_any_decode_step(
         assert finished["r"].outputs[0].token_ids == expected
         assert len(forward_passes) == 3  # tokens 2..4
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    try:
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
         ids = prefill.tokenizer.encode(PROMPTS[0])
         params = SamplingParams(temperature=0, max_tokens=4)
-        decode.reserve("late", ids, params)
-        ticket = make_ticket(
-            "late",
-            "inproc",
-            decode.kv_endpoints,
-            decode.layout,
-            decode.model_id,
-            decode.kv.block_ids("late"),
-            len(ids),
-            0.0,
-        ).to_dict()  # already expired
+        ticket = reserve_with_ticket(decode, "late", ids, params, lease_s=0.0)  # already expired
         decode.expect_kv("late", ticket)
         # Prefill sees time left (a slow hop between the two: see the next test for a lease it sees
         # run out), so it computes the prompt and the receiver, whose lease it is, refuses the KV.
@@ -221,23 +201,15 @@ def test_expired_lease_fails_the_decode_request_and_frees_both_sides(smol_dir):
         assert (prefill.num_kv_lease_expirations, decode.num_kv_lease_expirations) == (0, 1)
         assert prefill.num_kv_transfer_failures == decode.num_kv_transfer_failures == 1
         assert prefill.transfers_sent["late"].failure is not None
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_a_malformed_ticket_fails_its_request_only(smol_dir):
     from common.errors import InvalidRequestError
 
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    try:
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
         ids = prefill.tokenizer.encode(PROMPTS[0])
         params = SamplingParams(temperature=0, max_tokens=4)
-        decode.reserve("r", ids, params)
-        good = make_ticket(
-            "r", "inproc", decode.kv_endpoints, decode.layout, decode.model_id, decode.kv.block_ids("r"), len(ids), 30
-        ).to_dict()
+        good = reserve_with_ticket(decode, "r", ids, params, lease_s=30)
         with pytest.raises(InvalidRequestError, match="not a ticket for request 'other'"):
             prefill.add_request("other", ids, params, kv_ticket=good)
         broken = dict(good, receiver_endpoints=good["receiver_endpoints"] * 2)  # 2 endpoints for TP 1
@@ -254,9 +226,6 @@ def test_a_malformed_ticket_fails_its_request_only(smol_dir):
             prefill.step()
         prefill.release("next")  # no ticket: the caller hands its KV off and releases it itself
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_a_busy_prefill_replica_sees_a_hand_off_end_before_its_next_long_step(smol_dir):
@@ -324,25 +293,15 @@ def test_a_busy_prefill_replica_sees_a_hand_off_end_before_its_next_long_step(sm
 
 
 def test_a_prompt_whose_lease_ran_out_is_dropped_before_more_of_it_is_computed(smol_dir, hf_smol, hf_reference):
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    try:
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
         params = SamplingParams(temperature=0, max_tokens=4)
         long_ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)  # ~100 tokens: chunks of 24
 
-        def hand_out(request_id: str, ids: list[int]) -> dict:
-            block_ids = decode.reserve(request_id, ids, params)
-            ticket = make_ticket(
-                request_id, "inproc", decode.kv_endpoints, decode.layout, decode.model_id, block_ids, len(ids), 60
-            ).to_dict()
-            decode.expect_kv(request_id, ticket)
-            return ticket
-
         # "waiting": its lease ran out while it queued (as if the prefill queue took a minute).
-        late = {**hand_out("waiting", long_ids), "lease_s": 0.0}
+        late = {**_hand_out(decode, "waiting", long_ids, params), "lease_s": 0.0}
         prefill.add_request("waiting", long_ids, params, kv_ticket=late)
-        prefill.add_request("mid", long_ids[:90], params, kv_ticket=hand_out("mid", long_ids[:90]))
-        prefill.add_request("ok", long_ids[:40], params, kv_ticket=hand_out("ok", long_ids[:40]))
+        prefill.add_request("mid", long_ids[:90], params, kv_ticket=_hand_out(decode, "mid", long_ids[:90], params))
+        prefill.add_request("ok", long_ids[:40], params, kv_ticket=_hand_out(decode, "ok", long_ids[:40], params))
         dropped = {o.request_id: o for o in prefill.step() if o.error}
         assert set(dropped) == {"waiting"} and "lease expired" in dropped["waiting"].error
         assert dropped["waiting"].metrics.prefill_chunks == []  # not one token of it computed
@@ -358,17 +317,12 @@ def test_a_prompt_whose_lease_ran_out_is_dropped_before_more_of_it_is_computed(s
         assert finished["ok"].outputs[0].token_ids == hf_reference(hf_smol, long_ids[:40], 4)
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 @pytest.mark.parametrize("every_chunk", [True, False])
 def test_a_long_prompt_s_blocks_leave_while_its_later_chunks_compute(every_chunk, smol_dir, hf_smol, hf_reference):
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "tcp", every_chunk=every_chunk)
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "tcp", receive=True)
-    receiver = decode.executor.driver.connector.receiver
-    try:
+    with engine_pair(engine, smol_dir, "tcp", every_chunk=every_chunk) as (prefill, decode):
+        receiver = decode.executor.driver.connector.receiver
         ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)  # ~100 tokens: chunks of 24, 7 blocks
         params = SamplingParams(temperature=0, max_tokens=4)
         prefill.add_request("r", ids, params, kv_ticket=_hand_out(decode, "r", ids, params, "tcp"))
@@ -382,16 +336,11 @@ def test_a_long_prompt_s_blocks_leave_while_its_later_chunks_compute(every_chunk
         windows = windows_of(len(ids), chunk=24, block_size=16)
         assert windows >= 4 and prefill.transfers_sent["r"].num_windows == (windows if every_chunk else 1)
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_a_request_aborted_mid_push_holds_its_blocks_until_the_push_is_cancelled(smol_dir, hf_smol, hf_reference):
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    receiver = decode.executor.driver.connector.receiver
-    try:
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
+        receiver = decode.executor.driver.connector.receiver
         ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)
         params = SamplingParams(temperature=0, max_tokens=4)
         prefill.add_request("gone", ids, params, kv_ticket=_hand_out(decode, "gone", ids, params))
@@ -415,17 +364,12 @@ def test_a_request_aborted_mid_push_holds_its_blocks_until_the_push_is_cancelled
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
         decode.check_integrity()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_a_request_preempted_mid_push_ends_with_an_error_and_the_other_completes(smol_dir, hf_smol, hf_reference):
     # Eight blocks for two prompts of five each: the later one is preempted once both have grown.
     per_block = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2's layers, K and V, block of 16, 3 KV heads of 64, float32
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc", kv_memory=8 * per_block)
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    try:
+    with engine_pair(engine, smol_dir, "inproc", kv_memory=8 * per_block) as (prefill, decode):
         assert prefill.layout.num_blocks == 8
         params = SamplingParams(temperature=0, max_tokens=4)
         first = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)
@@ -447,16 +391,11 @@ def test_a_request_preempted_mid_push_ends_with_an_error_and_the_other_completes
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
         decode.check_integrity()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_a_push_refused_mid_prompt_ends_its_request_and_frees_its_blocks(smol_dir, hf_smol, hf_reference):
-    prefill = engine(smol_dir, EngineRole.PREFILL, 1, "inproc")
-    decode = engine(smol_dir, EngineRole.DECODE, 1, "inproc", receive=True)
-    sender = prefill.executor.driver.connector.sender
-    try:
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
+        sender = prefill.executor.driver.connector.sender
         ids = prefill.tokenizer.encode(" ".join(PROMPTS) * 3)  # ~100 tokens: chunks of 24
         params = SamplingParams(temperature=0, max_tokens=4)
         prefill.add_request("r", ids, params, kv_ticket=_hand_out(decode, "r", ids, params))
@@ -480,6 +419,3 @@ def test_a_push_refused_mid_prompt_ends_its_request_and_frees_its_blocks(smol_di
         assert finished["again"].outputs[0].token_ids == hf_reference(hf_smol, ids, 4)
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()

@@ -16,14 +16,21 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
+from kv_transfer import KVReceiver, KVTicket, TransferState, make_ticket
 from kv_transfer.backends import grpc_backend
 from kv_transfer.backends.grpc_backend import GrpcTransport
 from kv_transfer.protocol import ChunkHeader, encode_header
 from kv_transfer.transport import TransferRefused
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
-from tests.kv_transfer.harness import assert_bit_exact, made_transports, make_side, transfer, wait_terminal
-from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
+from tests.kv_transfer.harness import (
+    a_killed_receiver_fails_the_sender,
+    assert_bit_exact,
+    made_transports,
+    make_side,
+    transfer,
+    wait_terminal,
+)
+from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line, sender_script
 
 
 @pytest.fixture
@@ -319,24 +326,14 @@ def test_connect_rejects_foreign_endpoints():
 
 # --- peers in other processes, killed mid-transfer ---------------------------------------------------
 
-_SENDER_SCRIPT = """
-import sys, time, grpc, msgpack
-from kv_transfer import KVSender, KVTicket
-from kv_transfer.backends.grpc_backend import GrpcTransport
+_SENDER_SCRIPT = sender_script(
+    "from kv_transfer.backends.grpc_backend import GrpcTransport",
+    "GrpcTransport()",
+    """
+import grpc
 from kv_transfer.protocol import encode_header
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
-from tests.kv_transfer.harness import layer_chunk_header, make_side
-
-print("ready", flush=True)
-ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()), raw=False))
-src, _ = make_side(1, fill=True)
-sender = KVSender(src.layouts[0], "m", GrpcTransport())
-sender.start(ticket, [7, 8, 9, 10])
-for layer in (0, 1):
-    sender.send_layer("req-1", layer, src.caches[0][layer])
-while sender.poll("req-1").layers_sent < 2:
-    time.sleep(0.01)
-print("sent", flush=True)
+from tests.kv_transfer.harness import layer_chunk_header
 
 def stalled():  # layer 2, properly signed: half its 2 KiB payload, then never another byte
     header = layer_chunk_header(layer=2, num_heads=2, num_blocks=4, nbytes=2048)
@@ -348,33 +345,17 @@ def stalled():  # layer 2, properly signed: half its 2 KiB payload, then never a
 
 channel = grpc.insecure_channel(ticket.receiver_endpoints[0].removeprefix("grpc://"))
 kv_transfer_pb2_grpc.KVTransferStub(channel).Push(stalled(), timeout=600)
-"""
+""",
+)
 
 
 def test_receiver_process_killed_mid_transfer(transports, spawn):
     lease_s = 20.0
     proc = spawn(RECEIVER_SCRIPT, "grpc", str(lease_s))
     ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(read_line(proc)), raw=False))
-    src, _ = make_side(1, fill=True)
-    sender = KVSender(src.layouts[0], "m", transports())
-    sender.start(ticket, [7, 8, 9, 10])
-    for layer in (0, 1):
-        sender.send_layer("req-1", layer, src.caches[0][layer])
-    deadline = time.monotonic() + 10
-    while sender.poll("req-1").layers_sent < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sender.poll("req-1").layers_sent == 2, sender.poll("req-1")  # the receiver acknowledged two layers
-
-    proc.kill()
-    proc.wait(10)
-    killed = time.monotonic()
-    sender.send_layer("req-1", 2, src.caches[0][2])
-    sender.finish("req-1", 1)
-    status = wait_terminal([lambda: sender.poll("req-1")], timeout_s=10)[0]
-    assert status.state is TransferState.FAILED
-    assert "ConnectionError" in status.reason, status.reason  # the dead peer, not the lease
-    assert time.monotonic() - killed < 5
-    sender.close()
+    kill = lambda: (proc.kill(), proc.wait(10))  # noqa: E731
+    status, seconds = a_killed_receiver_fails_the_sender(transports(), ticket, kill, [7, 8, 9, 10], layers_before=2)
+    assert "ConnectionError" in status.reason and seconds < 5, (status, seconds)
 
 
 def test_sender_process_killed_mid_transfer(transports, spawn):

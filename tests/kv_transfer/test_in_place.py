@@ -447,12 +447,13 @@ def test_a_pair_is_dropped_after_an_unexpected_error_mid_exchange(monkeypatch):
     monkeypatch.setattr(torch_dist._Pair, "post_all", failing_post_all)
     with pytest.raises(RuntimeError, match="NCCL"):
         channel.send_pieces(encode_header(header, ticket.secret), pieces, 5)
-    assert channel._pair is None
+    assert channel.num_connects == 1
     monkeypatch.setattr(torch_dist._Pair, "post_all", post_all)
     (status,) = wait_terminal([lambda: receiver.poll("req-1")])  # its payload never came
     assert status.state is TransferState.FAILED and "payload not received" in status.reason
     header = replace(header, request_id="req-2")
-    assert channel.send_pieces(encode_header(header, second.secret), pieces, 5)  # over a fresh pair
+    assert channel.send_pieces(encode_header(header, second.secret), pieces, 5)
+    assert channel.num_connects == 2  # over a fresh pair: the broken one was not reused
     assert torch.equal(dst.caches[0][0][:, [11, 12, 13, 14]], src.caches[0][0][:, SRC_BLOCKS])
     channel.close()
     transport.shutdown()

@@ -10,7 +10,7 @@ import pytest
 
 from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
 from kv_transfer.transport import get_transport
-from tests.kv_transfer.harness import make_side, wait_terminal
+from tests.kv_transfer.harness import a_killed_receiver_fails_the_sender, make_side, wait_terminal
 
 BACKEND = "shm"
 
@@ -21,6 +21,7 @@ def _receiver_process(backend: str, out: mp.Queue, tickets: mp.Queue) -> None:
     transport = get_transport(backend)
     out.put(transport.serve(receiver))
     receiver.expect(KVTicket.from_dict(tickets.get(timeout=30)))
+    out.put("expected")  # the ticket is registered: chunks under it are accepted from now on
     time.sleep(60)  # killed by the test long before
 
 
@@ -49,26 +50,11 @@ def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease(shared):
         dst, _ = make_side(1, fill=False)
         ticket = make_ticket("req-1", BACKEND, [endpoint], dst.layouts[0], "m", [1, 2, 3, 4], 13, lease_s=20)
         tickets.put(ticket.to_dict())
-        time.sleep(0.5)  # the receiver registers the ticket
-        src, _ = make_side(1, fill=True, shared=shared)
+        assert endpoints.get(timeout=30) == "expected"
         transport = get_transport(BACKEND)
-        sender = KVSender(src.layouts[0], "m", transport)
-        sender.start(ticket, [1, 2, 3, 4])
-        sender.send_layer("req-1", 0, src.caches[0][0])
-        deadline = time.monotonic() + 10
-        while sender.poll("req-1").layers_sent < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sender.poll("req-1").state is TransferState.TRANSFERRING
-        proc.kill()
-        proc.join(10)
-        start = time.monotonic()
-        for layer in (1, 2):
-            sender.send_layer("req-1", layer, src.caches[0][layer])
-        sender.finish("req-1", 0)
-        (status,) = wait_terminal([lambda: sender.poll("req-1")], timeout_s=20)
-        assert status.state is TransferState.FAILED and status.reason
-        assert time.monotonic() - start < 20
-        sender.close()
+        kill = lambda: (proc.kill(), proc.join(10))  # noqa: E731
+        _, seconds = a_killed_receiver_fails_the_sender(transport, ticket, kill, [1, 2, 3, 4], 1, shared=shared)
+        assert seconds < 20
         transport.shutdown()
     finally:
         proc.kill()

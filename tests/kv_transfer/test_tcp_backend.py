@@ -14,14 +14,21 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import KVReceiver, KVSender, KVTicket, TransferState, make_ticket
+from kv_transfer import KVReceiver, KVTicket, TransferState, make_ticket
 from kv_transfer.backends import tcp
 from kv_transfer.backends.tcp import TcpConfig, TcpTransport
 from kv_transfer.protocol import encode_header
 from kv_transfer.receiver import NotInPlace
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import layer_chunk_header, made_transports, make_side, wait_terminal, wait_until
-from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line
+from tests.kv_transfer.harness import (
+    a_killed_receiver_fails_the_sender,
+    layer_chunk_header,
+    made_transports,
+    make_side,
+    wait_terminal,
+    wait_until,
+)
+from tests.kv_transfer.processes import RECEIVER_SCRIPT, read_line, sender_script
 
 LAYER_BYTES = 2 * 4 * 4 * 2 * 8 * 4  # the harness's default shard: K and V of 4 blocks, 4 tokens x 2 heads x 8, fp32
 
@@ -211,7 +218,6 @@ def test_refusals_for_a_valid_ticket_skip_the_payload_and_keep_the_connection(tr
     receiver, ticket, dst = _serve_one(server)
     channel = transports().connect(ticket.receiver_endpoints[0])
     channel.send(*_copied_chunk(ticket, layer=0), 5)
-    first = channel._sock
     with pytest.raises(TransferRefused, match="already landed"):  # copied, then refused: payload skipped
         channel.send(*_copied_chunk(ticket, layer=0, value=9.0), 5)
     pieces = [torch.full((LAYER_BYTES // 8,), 9.0), torch.full((LAYER_BYTES // 8,), 9.0)]
@@ -219,7 +225,7 @@ def test_refusals_for_a_valid_ticket_skip_the_payload_and_keep_the_connection(tr
         channel.send_pieces(_in_place_header(ticket, layer=0), pieces, 5)
     assert channel.sends_in_place  # refused, not declined
     channel.send(*_copied_chunk(ticket, layer=1, value=2.0), 5)
-    assert channel._sock is first and server.num_connections() == 1  # one connection throughout
+    assert channel.num_connects == 1 and server.num_connections() == 1  # one connection throughout
     assert torch.all(dst.caches[0][0][:, 1:5] == 1) and torch.all(dst.caches[0][1][:, 1:5] == 2)
     assert receiver.refusals["duplicate"] == 2
 
@@ -244,10 +250,10 @@ def test_chunks_without_a_valid_ticket_close_their_connection_before_anything_is
     forged_in_place = layer_chunk_header(num_heads=2, num_blocks=4, nbytes=LAYER_BYTES, run_lengths=[4])
     with pytest.raises((TransferRefused, ConnectionError)):
         channel.send_pieces(encode_header(forged_in_place, b"wrong"), pieces, 5)
-    assert channel._sock is None  # told the connection ends: not reused, however late the close arrives
     assert wait_until(lambda: server.num_connections() == 0)
     with pytest.raises((TransferRefused, ConnectionError)):
         channel.send(*_copied_chunk(ticket, secret=b"wrong"), 5)
+    assert channel.num_connects == 2  # told the connection ends: not reused, however late the close arrives
     assert wait_until(lambda: server.num_connections() == 0)
     assert receiver.refusals["bad_signature"] == 3 and _untouched(dst)
     channel.send(*_copied_chunk(ticket, layer=2), 5)  # the sender connects afresh for a valid chunk
@@ -451,7 +457,20 @@ def test_closing_a_channel_ends_its_chunk_in_flight_at_once(transports):
     with socket.create_server(("127.0.0.1", 0)) as listener:  # greets, then never answers
         endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
         greeting = tcp._VERDICT.pack(tcp._OK, False, 0)
-        threading.Thread(target=lambda: listener.accept()[0].sendall(greeting), daemon=True).start()
+        chunk_arrived = threading.Event()
+
+        def greet_then_read() -> None:
+            conn, _ = listener.accept()
+            conn.sendall(greeting)
+            received = b""
+            while not received.endswith(b"x" * 10):  # the whole chunk: its sender waits for a verdict now
+                data = conn.recv(4096)
+                if not data:
+                    return
+                received += data
+            chunk_arrived.set()
+
+        threading.Thread(target=greet_then_read, daemon=True).start()
         channel = transports().connect(endpoint)
         failed: list[BaseException] = []
 
@@ -463,7 +482,7 @@ def test_closing_a_channel_ends_its_chunk_in_flight_at_once(transports):
 
         sender = threading.Thread(target=send)
         sender.start()
-        time.sleep(0.3)
+        assert chunk_arrived.wait(10)
         start = time.monotonic()
         channel.close()
         sender.join(5)
@@ -536,7 +555,8 @@ def test_release_cuts_a_stalled_payload_short(transports):
     with _raw_connect(ticket.receiver_endpoints[0]) as sock:
         # Half the payload, then nothing: the chunk's deadline (30 s) and lease are far away.
         sock.sendall(_head(header, LAYER_BYTES, in_place=True, timeout_ms=30_000) + header + bytes(LAYER_BYTES // 2))
-        time.sleep(0.3)  # the header is checked and the rest of the bytes awaited in recv
+        # The header is checked and the rest of the payload awaited in place.
+        assert wait_until(lambda: receiver.poll("req-1").payloads_arriving == 1, timeout_s=10)
         start = time.monotonic()
         receiver.release("req-1")
         assert time.monotonic() - start < 2, "release() must not wait for a stalled sender"
@@ -550,52 +570,27 @@ def test_release_cuts_a_stalled_payload_short(transports):
 
 # --- peers in other processes, killed mid-transfer -------------------------------------------------------
 
-_SENDER_SCRIPT = """
-import sys, time, msgpack, socket
-from kv_transfer import KVSender, KVTicket
-from kv_transfer.backends import tcp
-from tests.kv_transfer.harness import make_side
+_SENDER_SCRIPT = sender_script(
+    "from kv_transfer.backends import tcp",
+    "tcp.TcpTransport()",
+    """
 from tests.kv_transfer.test_tcp_backend import _head, _in_place_header, _raw_connect, LAYER_BYTES
-
-print("ready", flush=True)
-ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(sys.stdin.readline()), raw=False))
-src, _ = make_side(1, fill=True)
-sender = KVSender(src.layouts[0], "m", tcp.TcpTransport())
-sender.start(ticket, [7, 8, 9, 10])
-for layer in (0, 1):
-    sender.send_layer("req-1", layer, src.caches[0][layer])
-while sender.poll("req-1").layers_sent < 2:
-    time.sleep(0.01)
-print("sent", flush=True)
 sock = _raw_connect(ticket.receiver_endpoints[0])  # layer 2: half its payload, then the process dies
 header = _in_place_header(ticket, layer=2)
 sock.sendall(_head(header, LAYER_BYTES, in_place=True, timeout_ms=600_000) + header + bytes(LAYER_BYTES // 2))
 print("stalled", flush=True)
 time.sleep(600)
-"""
+""",
+)
 
 
 @pytest.mark.slow
 def test_receiver_process_killed_mid_transfer(transports, spawn):
     proc = spawn(RECEIVER_SCRIPT, "tcp", "20")
     ticket = KVTicket.from_dict(msgpack.unpackb(bytes.fromhex(read_line(proc)), raw=False))
-    src, _ = make_side(1, fill=True)
-    sender = KVSender(src.layouts[0], "m", transports())
-    sender.start(ticket, [7, 8, 9, 10])
-    for layer in (0, 1):
-        sender.send_layer("req-1", layer, src.caches[0][layer])
-    assert wait_until(lambda: sender.poll("req-1").layers_sent == 2, timeout_s=10), sender.poll("req-1")
-
-    proc.kill()
-    proc.wait(10)
-    killed = time.monotonic()
-    sender.send_layer("req-1", 2, src.caches[0][2])
-    sender.finish("req-1", 1)
-    status = wait_terminal([lambda: sender.poll("req-1")], timeout_s=10)[0]
-    assert status.state is TransferState.FAILED
-    assert "ConnectionError" in status.reason, status.reason  # the dead peer, not the lease
-    assert time.monotonic() - killed < 5
-    sender.close()
+    kill = lambda: (proc.kill(), proc.wait(10))  # noqa: E731
+    status, seconds = a_killed_receiver_fails_the_sender(transports(), ticket, kill, [7, 8, 9, 10], layers_before=2)
+    assert "ConnectionError" in status.reason and seconds < 5, (status, seconds)
 
 
 @pytest.mark.slow

@@ -21,7 +21,15 @@ from kv_transfer.backends import torch_dist
 from kv_transfer.backends.torch_dist import TorchDistTransport
 from kv_transfer.protocol import ChunkHeader, checksum, encode_header
 from kv_transfer.transport import TransferRefused
-from tests.kv_transfer.harness import assert_bit_exact, made_transports, make_side, transfer, wait_terminal, wait_until
+from tests.kv_transfer.harness import (
+    a_killed_receiver_fails_the_sender,
+    assert_bit_exact,
+    made_transports,
+    make_side,
+    transfer,
+    wait_terminal,
+    wait_until,
+)
 
 _LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
@@ -67,7 +75,7 @@ def test_store_and_gloo_listen_on_loopback_only(transports, monkeypatch):
     channel = transport.connect(ticket.receiver_endpoints[0])
     with contextlib.suppress(TransferRefused):  # an authentic header (its payload is refused): pairs up,
         channel.send(_signed_header(ticket), b"", 5)  # so the store and both gloo ends are live now
-    assert channel._pair is not None
+    assert channel.num_connects == 1
     new = {inode: address for inode, address in _listening_sockets().items() if inode not in before}
     assert len(new) >= 2, new  # the store and the gloo device
     assert set(new.values()) <= _LOOPBACK, new  # TCPStore alone would listen on every interface
@@ -200,22 +208,9 @@ def test_stalled_receiver_times_out_instead_of_hanging(transports, receiver_proc
 @pytest.mark.slow
 def test_receiver_killed_mid_transfer_fails_the_sender_within_the_lease(transports, receiver_process):
     proc, ticket = receiver_process
-    src, _ = make_side(1, fill=True)
-    sender = KVSender(src.layouts[0], "m", transports())
-    sender.start(ticket, [7, 8, 9, 10])
-    sender.send_layer("req-1", 0, src.caches[0][0])
-    assert wait_until(lambda: sender.poll("req-1").layers_sent == 1, 10)
-    proc.kill()
-    proc.join(10)
-    start = time.monotonic()
-    for layer in (1, 2):
-        sender.send_layer("req-1", layer, src.caches[0][layer])
-    sender.finish("req-1", 0)
-    (status,) = wait_terminal([lambda: sender.poll("req-1")], timeout_s=10)
-    assert status.state is TransferState.FAILED, status
-    assert "lease" not in status.reason and not ticket.is_expired()  # the dead peer was noticed, not the lease
-    assert time.monotonic() - start < 5
-    sender.close()
+    kill = lambda: (proc.kill(), proc.join(10))  # noqa: E731
+    _, seconds = a_killed_receiver_fails_the_sender(transports(), ticket, kill, [7, 8, 9, 10], layers_before=1)
+    assert seconds < 5
 
 
 @pytest.mark.slow
@@ -241,7 +236,7 @@ def test_sender_killed_mid_transfer_fails_the_receiver_at_lease_expiry(transport
         proc.kill()
 
 
-def _cuda_receiver_process(out: mp.Queue) -> None:
+def _cuda_receiver_process(out: mp.Queue, sent: mp.Queue) -> None:
     dst, _ = make_side(1, fill=False)
     caches = [layer.to("cuda:1") for layer in dst.caches[0]]
     receiver = KVReceiver(caches, dst.layouts[0], "torch")
@@ -249,6 +244,10 @@ def _cuda_receiver_process(out: mp.Queue) -> None:
     ticket = make_ticket("req-1", "torch", [transport.serve(receiver)], dst.layouts[0], "m", [1, 2, 3, 4], 13, 30)
     receiver.expect(ticket)
     out.put(ticket)
+    expected = sent.get(timeout=120)  # the layer's bytes, once the sender has its verdict
+    status = receiver.poll("req-1")
+    landed = caches[0][:, 1:5].contiguous().cpu().numpy().tobytes()
+    out.put((status.state.name, status.layers_complete, landed == expected))
     time.sleep(120)
 
 
@@ -257,8 +256,8 @@ def _cuda_receiver_process(out: mp.Queue) -> None:
 def test_cuda_payload_travels_over_nccl(transports):
     # NCCL refuses two ranks on one device, so receiver and sender sit on different GPUs.
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_cuda_receiver_process, args=(out,), daemon=True)
+    out, sent = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_cuda_receiver_process, args=(out, sent), daemon=True)
     proc.start()
     try:
         ticket = out.get(timeout=120)
@@ -271,6 +270,9 @@ def test_cuda_payload_travels_over_nccl(transports):
         channel = transports().connect(ticket.receiver_endpoints[0])
         channel.send(encode_header(header, ticket.secret), payload, 30)  # the receiver checked the CRC
         channel.close()
+        sent.put(layer.contiguous().cpu().numpy().tobytes())
+        # The receiver's own view: the layer landed, byte for byte, in the reserved blocks on its GPU.
+        assert out.get(timeout=60) == ("TRANSFERRING", 1, True)
     finally:
         proc.kill()
 
@@ -316,7 +318,7 @@ def test_only_a_sender_holding_a_ticket_pairs_and_nccl_only_with_kv_on_gpus_at_b
     channel = transports().connect(endpoint)
     with pytest.raises(TransferRefused):
         channel.send(b"junk", b"x", 5)
-    assert channel._pair is None
+    assert channel.num_connects == 0
     channel.close()
 
 

@@ -79,17 +79,25 @@ def test_a_replacement_binds_beside_the_old_one_which_finishes_its_stream_after_
         old = HttpListener(_app("old", release), "127.0.0.1", 0)
         old.start()
         await _wait_serving(old)
-        in_flight = asyncio.create_task(_get(old.port, "/slow"))
-        await asyncio.sleep(0.2)  # the stream has started on the old server
+        reader, writer = await asyncio.open_connection("127.0.0.1", old.port)
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"first;"), 10)  # the stream has started
         new = HttpListener(_app("new"), "127.0.0.1", old.port)  # SO_REUSEPORT: no EADDRINUSE
         new.start()
+        await _wait_serving(new)
+        assert old.accepting
         stopping = asyncio.create_task(old.stop())
-        await asyncio.sleep(0.3)  # the old server has closed its listening socket
-        assert not stopping.done()  # ... but waits for its stream
+        for _ in range(500):  # the old server closes its listening socket first
+            if not old.accepting:
+                break
+            await asyncio.sleep(0.01)
+        assert not old.accepting and not stopping.done()  # ... but waits for its stream
         answers = {await _get(old.port) for _ in range(8)}
         assert answers == {(200, b"new")}  # every new connection goes to the replacement
         release.set()
-        assert await in_flight == (200, b"first;old")
+        rest = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert head.split()[1] == b"200" and _dechunk(head.partition(b"\r\n\r\n")[2] + rest) == b"first;old"
         await stopping
         await new.stop()
 

@@ -62,13 +62,15 @@ def test_overlapping_routed_prompts_age_out_one_by_one():
     assert index.cached_prefix_blocks("a", blocks(PROMPT), now=later) == 4
 
 
-def test_an_unchanged_report_is_not_unpacked_again_and_gone_replicas_are_forgotten():
+def test_an_unchanged_report_is_not_unpacked_again_and_gone_replicas_are_forgotten(monkeypatch):
+    unpacked: list[bytes] = []
+    real = prefix_index.as_sorted_ints
+    monkeypatch.setattr(prefix_index, "as_sorted_ints", lambda packed: unpacked.append(packed) or real(packed))
     index = PrefixIndex()
     packed = pack_short_hashes(blocks(PROMPT))
     index.update("a", packed)
-    unpacked = index._reported["a"]
-    index.update("a", bytes(packed))  # equal bytes: the same array stays
-    assert index._reported["a"] is unpacked
+    index.update("a", bytes(packed))  # equal bytes: not converted again
+    assert unpacked == [packed] and index.cached_prefix_blocks("a", blocks(PROMPT)) == 6
     index.routed("b", blocks(SYSTEM), 64)
     index.keep_only(["b"])
     assert index.cached_prefix_blocks("a", blocks(PROMPT)) == 0
