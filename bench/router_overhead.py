@@ -84,8 +84,12 @@ class _NullPool:
     def __init__(self) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.num_running = 0
+        self.report_seq = 0
 
     async def report(self) -> dict:
+        # A fresh sequence number each time, as a live replica's: the router takes a replica whose
+        # reports stop changing for a hung one (router.report_ages) and refuses its pool's requests.
+        self.report_seq += 1
         return ReplicaReport(
             self.replica_id,
             self.role,
@@ -94,6 +98,7 @@ class _NullPool:
             num_kv_blocks_total=4096,
             max_model_len=2048,
             pid=os.getpid(),
+            report_seq=self.report_seq,
         ).to_dict()
 
     async def record_routing_stats(self) -> dict:

@@ -13,6 +13,7 @@ import ray
 
 import bench.common
 from bench import router_overhead
+from router.report_ages import STALE_AFTER_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NUM_REQUESTS, MAX_TOKENS = 30, 4
@@ -26,7 +27,11 @@ def results_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["disagg", "colocated"])
 def test_router_overhead_runs_both_paths(results_dir, mode):
-    argv = ["--num-requests", str(NUM_REQUESTS), "--rate", "20", "--max-tokens", str(MAX_TOKENS), "--warmup", "3"]
+    # The run outlasts the router's staleness bound: null pools whose reports stopped changing would
+    # be taken for hung replicas there, and every later request refused (as they were until 2026-12-07).
+    rate = NUM_REQUESTS / (STALE_AFTER_S + 2)
+    argv = ["--num-requests", str(NUM_REQUESTS), "--rate", f"{rate:g}", "--max-tokens", str(MAX_TOKENS)]
+    argv += ["--warmup", "3", "--arrival", "constant"]
     payload = router_overhead.main([*argv, "--mode", mode])
     # The benchmark owns its Ray: nothing is left for a later test's cluster to collide with.
     assert not ray.is_initialized()
