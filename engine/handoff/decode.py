@@ -13,41 +13,31 @@ from __future__ import annotations
 
 from common.kv_messages import ConnectorStep, ShardReport, Ticket, TransferState
 from common.serving import KV_LOAD_FAILED
-from engine.handoff.hooks import AbortPlan, HandoffActions, HandoffCounts, SentKV, check_ticket_names, refuse_ticket
+from engine.handoff.hooks import AbortPlan, HandoffActions, NullHandoff, check_ticket_names
 from engine.scheduler import SchedulerOutput
 
 NO_FIRST_TOKEN = "KV transfer failed: the prefill side sent no first token"
 
 
-class DecodeHandoff:
+class DecodeHandoff(NullHandoff):
+    """Refuses tickets to push, holds no ids, drops nothing before a step and aborts a failed
+    step's requests as the null hand-off does (it has no part in those)."""
+
     def __init__(self, num_shards: int) -> None:
+        super().__init__()
         self.num_shards = num_shards
         self.receiving: set[str] = set()
         self._forget: list[str] = []
-        self.ended: dict[str, SentKV] = {}  # pushes only: always empty here
-        self.counts = HandoffCounts()
 
     @property
     def busy(self) -> bool:
         return bool(self.receiving or self._forget)
-
-    def holds_id(self, request_id: str) -> bool:
-        return False
-
-    def check_ticket(self, request_id: str, ticket: Ticket) -> None:
-        refuse_ticket()
-
-    def accept_ticket(self, request_id: str, ticket: Ticket) -> None:
-        refuse_ticket()
 
     def expect(self, request_id: str, ticket: Ticket) -> ConnectorStep:
         """Registered on every shard at once, before the caller hands the ticket to prefill."""
         check_ticket_names(request_id, ticket)
         self.receiving.add(request_id)
         return ConnectorStep(expects=[ticket])
-
-    def before_schedule(self, now: float) -> HandoffActions:
-        return HandoffActions()
 
     def after_schedule(self, scheduled: SchedulerOutput) -> tuple[HandoffActions, ConnectorStep | None]:
         return HandoffActions(), self._orders()
@@ -88,12 +78,6 @@ class DecodeHandoff:
         self.receiving.discard(request_id)
         # Every shard stops accepting this request's chunks before its blocks can be reused.
         return AbortPlan(orders=ConnectorStep(forget=[request_id]))
-
-    def after_failed_step(self, request_ids: list[str], error: str) -> tuple[ConnectorStep | None, HandoffActions]:
-        return None, HandoffActions(abort=[(request_id, error) for request_id in request_ids])
-
-    def poll(self) -> ConnectorStep | None:
-        return None
 
     def _orders(self) -> ConnectorStep:
         step = ConnectorStep(forget=self._forget)

@@ -134,7 +134,8 @@ class Handoff(Protocol):
 
 
 class NullHandoff:
-    """A colocated engine, or one without a connector: nothing enters or leaves."""
+    """A colocated engine, or one without a connector: nothing enters or leaves. A role's hand-off
+    keeps these answers at the hooks it has no part in."""
 
     def __init__(self) -> None:
         self.ended: dict[str, SentKV] = {}
