@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from common.serving import PrefillResult, TTFTBreakdown
 from router.planner import SLOWindow
+from router.request_fields import KNOWN_FIELDS
 
 _WINDOW = 1024  # recent samples kept per series (bounded)
 # vLLM's buckets, so that dashboards and recording rules carry over.
@@ -105,6 +106,11 @@ class RouterMetrics:
             "pdserve:request_failure_total",
             "Requests refused (reason http_<status>), failed in the cluster (error) or left by the client (cancelled).",
             ("reason",),
+        )
+        self._refused_fields = counter(
+            "pdserve:request_refused_field_total",
+            "Requests refused for a field this server does not honour yet (router/request_fields.py), by field.",
+            ("field",),
         )
         self._prompt_tokens = counter("pdserve:prompt_tokens_total", "Prompt tokens of requests that ran.").labels(
             model_name
@@ -237,10 +243,13 @@ class RouterMetrics:
             ttft = first_token_time - started if first_token_time is not None else None
             self.slo_window.request_ended(True, ttft, tpot, num_prompt_tokens)
 
-    def request_failed(self, status: int) -> None:
-        """Refused or failed before reaching a token: the HTTP status the client got."""
+    def request_failed(self, status: int, refused_field: str | None = None) -> None:
+        """Refused or failed before reaching a token: the HTTP status the client got, and the
+        field it asked for that this server does not honour, if that was why."""
         outcome = f"http_{status}"
         self._failure.labels(self.model_name, outcome).inc()
+        if refused_field in KNOWN_FIELDS:  # a label from a known set only: a client cannot grow it
+            self._refused_fields.labels(self.model_name, refused_field).inc()
         self.outcomes[outcome] += 1
         if self.slo_window is not None and status >= 500:  # refused for want of room: a miss of both SLOs
             self.slo_window.request_ended(False)

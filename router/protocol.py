@@ -4,51 +4,42 @@
 Plain functions over dicts, no HTTP framework: the HTTP layer decodes the JSON body and calls
 ``parse_request``. Every refusal is an ``ApiError`` carrying OpenAI's ``{"error": {...}}`` object.
 
-Unknown top-level fields are accepted and ignored, because OpenAI SDKs and frameworks send extras.
-``KNOWN_FIELDS`` lists what we read or deliberately accept; fields that would change the output but
-are not implemented (``best_of``, ``logit_bias``, ``tools``…) are refused by name, never ignored.
+Every field a vLLM or OpenAI client defines is honoured, harmless, or refused by name at any
+value but its no-op (``router/request_fields.py``); none is dropped silently. A field no such
+client defines is ignored, as vLLM ignores one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
+from router.request_fields import KNOWN_FIELDS, SAMPLING_FIELDS, RequestKind, refused_field
 
-RequestKind = Literal["completion", "chat"]
+__all__ = [  # KNOWN_FIELDS and RequestKind are request_fields', handed on
+    "CHAT_ROLES",
+    "DEFAULT_MAX_TOKENS_CHAT",
+    "DEFAULT_MAX_TOKENS_COMPLETION",
+    "KNOWN_FIELDS",
+    "MAX_CACHE_SALT_CHARS",
+    "ApiError",
+    "ParsedRequest",
+    "RequestKind",
+    "api_error_from_exception",
+    "decode_body",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_request",
+]
 
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
 # OpenAI's chat default is "until the context is full"; a fixed cap keeps a forgotten max_tokens
 # from holding a decode slot and its KV blocks for a whole context length.
 DEFAULT_MAX_TOKENS_CHAT = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-
-# OpenAI field name == SamplingParams field name; null means "use the default".
-_SAMPLING_FIELDS = (
-    *("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"),
-    # vLLM extensions
-    *("top_k", "min_p", "stop_token_ids", "repetition_penalty", "ignore_eos", "skip_special_tokens"),
-    "include_stop_str_in_output",
-)
-# Accepted and ignored: they do not change what the model generates.
-_HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
-# Defined by OpenAI, not implemented, and they would change the output: allowed only at their no-op value.
-_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "best_of": lambda v: v is None or (type(v) is int and v == 1),
-    "logit_bias": lambda v: v is None or v == {},
-    "suffix": lambda v: v is None or v == "",
-    "tools": lambda v: v is None or v == [],
-    "functions": lambda v: v is None or v == [],
-    "response_format": lambda v: v is None or v == {"type": "text"},
-}
-KNOWN_FIELDS = frozenset(
-    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "cache_salt"}
-    | {"logprobs", "top_logprobs", "echo", *_SAMPLING_FIELDS, *_HARMLESS_FIELDS, *_UNSUPPORTED_FIELDS}
-)
 
 
 class ApiError(Exception):
@@ -145,7 +136,7 @@ def parse_request(body: object, served_model: str, kind: RequestKind) -> ParsedR
     return parse_chat_request(body, served_model) if kind == "chat" else parse_completion_request(body, served_model)
 
 
-def _check_model_and_fields(body: object, served_model: str) -> str:
+def _check_model_and_fields(body: object, served_model: str, kind: RequestKind) -> str:
     """The body is an object naming the served model and no field this server would have to drop."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -155,15 +146,15 @@ def _check_model_and_fields(body: object, served_model: str) -> str:
     if model != served_model:
         message = f"The model {model!r} does not exist; this server serves {served_model!r}"
         raise ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
-    for name, is_noop in _UNSUPPORTED_FIELDS.items():
-        if not is_noop(body.get(name)):
-            message = f"{name} is not supported by this server; remove it from the request"
-            raise ApiError(400, message, param=name, code="unsupported_parameter")
+    refused = refused_field(body, kind)
+    if refused is not None:
+        name, message = refused
+        raise ApiError(400, message, param=name, code="unsupported_parameter")
     return model
 
 
 def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
-    model = _check_model_and_fields(body, served_model)
+    model = _check_model_and_fields(body, served_model, kind)
     assert isinstance(body, dict)
     stream = _optional_bool(body, "stream")
     include_usage = _include_usage(body.get("stream_options"), stream)
@@ -172,7 +163,7 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         raise ApiError(400, f"user must be a string, got {user!r}", param="user")
     cache_salt = _cache_salt(body.get("cache_salt"))
 
-    kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     renames: dict[str, str] = {}  # SamplingParams field -> the wire field it came from, for error params
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
@@ -181,6 +172,11 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         max_tokens_field, default_max_tokens = "max_tokens", DEFAULT_MAX_TOKENS_COMPLETION
         logprobs = body.get("logprobs")  # SamplingParams checks it is null or an int in [0, 20]
         echo = _optional_bool(body, "echo")
+        if echo and logprobs is not None:
+            # vLLM answers with the prompt tokens' logprobs too (what lm-eval's loglikelihood tasks
+            # read); logprobs of the generated tokens alone would score every task empty.
+            message = "echo with logprobs asks for the prompt tokens' logprobs, which this server does not compute yet"
+            raise ApiError(400, message, param="echo", code="unsupported_parameter")
     else:
         messages = _parse_messages(body.get("messages"))
         has_new_name = body.get("max_completion_tokens") is not None
@@ -188,9 +184,7 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         default_max_tokens = DEFAULT_MAX_TOKENS_CHAT
         logprobs = _chat_logprobs(body)
         renames["logprobs"] = "top_logprobs"
-        if _optional_bool(body, "echo"):
-            raise ApiError(400, "echo is only supported by /v1/completions", param="echo")
-        echo = False
+        echo = False  # a chat request's echo is refused (request_fields)
     max_tokens = body.get(max_tokens_field)
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     renames["max_tokens"] = max_tokens_field

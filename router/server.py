@@ -280,7 +280,8 @@ class RouterServer:
             if not isinstance(exc, Exception):
                 raise
             error = refusal(exc)
-            self.metrics.request_failed(error.status)
+            unsupported = error.param if error.code == "unsupported_parameter" else None
+            self.metrics.request_failed(error.status, refused_field=unsupported)
             logger.info("request %s refused (%d): %s", request_id, error.status, error.message)
             return error_response(error)
         finally:

@@ -73,6 +73,19 @@ def test_refusals_and_failures_count_as_failures_by_reason_not_as_latencies():
     assert metrics.snapshot()["outcomes"] == {"http_400": 1, "http_503": 1, "error": 1, "cancelled": 1}
 
 
+def test_a_refusal_for_a_field_not_honoured_counts_that_field_and_only_a_known_one():
+    metrics = RouterMetrics("disagg", "smol")
+    metrics.request_failed(400, refused_field="min_tokens")
+    metrics.request_failed(400, refused_field="min_tokens")
+    metrics.request_failed(400, refused_field="x" * 64)  # not a field any client defines: no label made
+    samples = scrape(metrics)
+    assert samples[("pdserve:request_refused_field_total", (("field", "min_tokens"), *MODEL))] == 2
+    assert not [
+        key for key in samples if key[0] == "pdserve:request_refused_field_total" and ("field", "x" * 64) in key[1]
+    ]
+    assert samples[("pdserve:request_failure_total", (*MODEL, ("reason", "http_400")))] == 3
+
+
 def test_prefill_s_reply_feeds_the_kv_transfer_and_phase_histograms():
     metrics = RouterMetrics("disagg", "smol")
     reply = PrefillResult("r.0", 42, 0, queue_time_s=0.02, prefill_time_s=0.4, kv_bytes=3 << 20)

@@ -329,9 +329,13 @@ def test_chat_logprobs():
     assert req.logprobs is None and req.sampling.logprobs is None
 
 
-def test_completion_logprobs_zero_and_echo():
-    req = completion(logprobs=0, echo=True)
-    assert (req.logprobs, req.sampling.logprobs, req.echo) == (0, 0, True)
+def test_completion_logprobs_zero_and_echo_each_alone_and_refused_together():
+    req = completion(logprobs=0)
+    assert (req.logprobs, req.sampling.logprobs, req.echo) == (0, 0, False)
+    assert completion(echo=True).echo is True
+    # Together they ask for the prompt tokens' logprobs (lm-eval's loglikelihood): refused, not half answered.
+    err = completion_error(logprobs=0, echo=True)
+    assert (err.status, err.param, err.code) == (400, "echo", "unsupported_parameter") and "prompt" in err.message
 
 
 def test_stream_options():
