@@ -1,11 +1,12 @@
-"""The router's plain routes: the model list, health, the metrics scrape, and the admin's status and
-resize. Status and resize need an admin key; health and metrics (counts only) need none, for
-probes and scrapers; the model list needs any key."""
+"""The router's plain routes: the model list and card, the version, health, the metrics scrape, and
+the admin's status and resize. Status and resize need an admin key; health, the version and metrics
+(counts only) need none, for probes and scrapers; the model list and card need any key."""
 
 import asyncio
+import importlib.metadata
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -20,6 +21,16 @@ from router.http_edge import error_response, read_body, unauthorized
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger("pdserve.router")
+
+
+_CARD_CONTEXT_WAIT_S = 5.0  # a model card waits this long for the pools' context length at most
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _without_hashes(report: dict) -> dict:
@@ -64,6 +75,7 @@ class AdminRoutes:
         resizer: Resizer,
         status: Callable[[], dict[str, Any]],
         body_timeout_s: float,
+        context_length: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.keyring = keyring
         self.served_model = served_model
@@ -73,6 +85,7 @@ class AdminRoutes:
         self.resizer = resizer
         self.status_of = status
         self.body_timeout_s = body_timeout_s
+        self.context_length = context_length
         self.created = int(time.time())
 
     async def models(self, request: Request) -> Any:
@@ -80,8 +93,40 @@ class AdminRoutes:
             self.keyring.check_any(request.headers.get("authorization"))
         except Unauthorized as exc:
             return error_response(unauthorized(exc))
-        card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [await self._card()]}
+
+    async def model(self, request: Request, model_id: str) -> Any:
+        """GET /v1/models/{model_id}: the served model's card, or OpenAI's 404."""
+        try:
+            self.keyring.check_any(request.headers.get("authorization"))
+        except Unauthorized as exc:
+            return error_response(unauthorized(exc))
+        if model_id != self.served_model:
+            message = f"The model {model_id!r} does not exist; this server serves {self.served_model!r}"
+            error = protocol.ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
+            return error_response(error)
+        return await self._card()
+
+    async def version(self) -> dict[str, str]:
+        return {"version": _version()}
+
+    async def _card(self) -> dict[str, Any]:
+        """As vLLM's: ``max_model_len`` is the pools' context length (null while no pool answers)."""
+        max_model_len = None
+        if self.context_length is not None:
+            try:
+                max_model_len = await asyncio.wait_for(self.context_length(), _CARD_CONTEXT_WAIT_S)
+            except Exception as exc:  # the pools are down or slow: the card says nothing of it
+                logger.info("the model card goes without max_model_len: %r", exc)
+        return {
+            "id": self.served_model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdserve",
+            "root": self.served_model,
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
 
     async def health(self) -> Response:
         """From the replica reports the router has, a shared pool call only where they are missing

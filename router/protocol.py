@@ -32,6 +32,7 @@ __all__ = [  # KNOWN_FIELDS and RequestKind are request_fields', handed on
     "decode_body",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_messages",
     "parse_request",
 ]
 
@@ -178,7 +179,7 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
             message = "echo with logprobs asks for the prompt tokens' logprobs, which this server does not compute yet"
             raise ApiError(400, message, param="echo", code="unsupported_parameter")
     else:
-        messages = _parse_messages(body.get("messages"))
+        messages = parse_messages(body.get("messages"))
         has_new_name = body.get("max_completion_tokens") is not None
         max_tokens_field = "max_completion_tokens" if has_new_name else "max_tokens"
         default_max_tokens = DEFAULT_MAX_TOKENS_CHAT
@@ -270,7 +271,7 @@ def _parse_prompt(prompt: object) -> str | list[int]:
     raise ApiError(400, message, param="prompt")
 
 
-def _parse_messages(messages: object) -> list[dict[str, str]]:
+def parse_messages(messages: object) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of message objects", param="messages")
     parsed = []

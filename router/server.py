@@ -55,6 +55,7 @@ from router.planner_loop import PlannerLoop
 from router.protocol import RequestKind
 from router.remote_prefill import RemotePrefillEstimator
 from router.responses import ResponseWriter
+from router.tokenizer_routes import TokenizerRoutes
 
 logger = logging.getLogger("pdserve.router")
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
@@ -153,7 +154,11 @@ class RouterServer:
         self.planner = PlannerLoop.start(planner, both_pools, pool_shards or {}, self.resizer.resize, self.metrics)
         self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
         admin_parts = (self.metrics, self.health_check, self.resizer, self._status, body_timeout_s)
-        self.admin = AdminRoutes(self.keyring, served_model, mode, *admin_parts)
+        self.admin = AdminRoutes(self.keyring, served_model, mode, *admin_parts, self.context_length.get)
+        limits = (max_body_bytes, body_timeout_s)
+        self.tokenizer_routes = TokenizerRoutes(
+            self.keyring, self.intake, served_model, self.context_length.get, *limits
+        )
         self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         # Serve runs the constructor on the replica's user-code loop: the server runs there too.
         self.listener = HttpListener(
@@ -172,6 +177,10 @@ class RouterServer:
         api.add_exception_handler(HTTPException, http_error)
         admin = self.admin
         api.add_api_route("/v1/models", admin.models, methods=["GET"])
+        api.add_api_route("/v1/models/{model_id:path}", admin.model, methods=["GET"])
+        api.add_api_route("/version", admin.version, methods=["GET"])
+        api.add_api_route("/tokenize", self.tokenizer_routes.tokenize, methods=["POST"])
+        api.add_api_route("/detokenize", self.tokenizer_routes.detokenize, methods=["POST"])
         api.add_api_route("/health", admin.health, methods=["GET"])
         api.add_api_route("/pdserve/status", admin.status, methods=["GET"])
         api.add_api_route("/pdserve/scale", admin.scale, methods=["POST"])

@@ -236,6 +236,11 @@ def test_the_router_asks_for_keys_limits_each_tenant_and_salts_its_prompts(keys_
             assert (await request("/pdserve/status", "sk-acme-0001"))[0] == 401
             assert (await request("/pdserve/status", "sk-admin-0001"))[0] == 200
             assert (await request("/health", None))[0] != 401  # probes need no key
+            assert (await request("/version", None))[0] == 200
+            for path in ("/tokenize", "/detokenize", "/v1/models/smol"):  # any key the completions take
+                payload = {"/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}.get(path)
+                assert (await request(path, None, payload))[0] == 401, path
+                assert (await request(path, "sk-globex-001", payload))[0] == 200, path
             # Resizing is an admin's: a tenant's key is refused, bad bodies are 400s, one at a time.
             assert (await request("/pdserve/scale", "sk-acme-0001", {"colocated": 2}))[0] == 401
             assert (await request("/pdserve/scale", "sk-admin-0001", {"colocated": 0}))[0] == 400

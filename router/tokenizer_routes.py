@@ -1,0 +1,158 @@
+"""``/tokenize`` and ``/detokenize`` in vLLM's shapes, on the router's own tokenizer.
+
+    POST /tokenize    {"prompt": "…"} or {"messages": […]}  ─▶ {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize  {"tokens": […]}                        ─▶ {"prompt": "…"}
+
+Any key the completions take is enough. The work runs on the tokenizer's thread, tenants in turns
+(router.fair_queue), never on the event loop. Of vLLM's fields, those this router does not honour
+are refused by name at any value but their no-op, as on the completion routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from router import protocol
+from router.auth import KeyRing, Tenant, Unauthorized
+from router.http_edge import error_response, read_body, unauthorized
+from router.intake import PromptIntake
+from router.prompt_bounds import check_token_ids
+from router.protocol import ApiError
+
+# Refused unless at their no-op (None, or the value given): vLLM's tokenize fields this router does
+# not honour. add_special_tokens on messages: the chat template alone places special tokens here.
+_REFUSED_WITH_MESSAGES = {
+    "continue_final_message": False,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "tools": None,
+    "mm_processor_kwargs": None,
+    "add_special_tokens": False,
+}
+
+
+class TokenizerRoutes:
+    def __init__(
+        self,
+        keyring: KeyRing,
+        intake: PromptIntake,
+        served_model: str,
+        context_length: Callable[[], Awaitable[int]],
+        max_body_bytes: int,
+        body_timeout_s: float,
+    ) -> None:
+        self.keyring = keyring
+        self.intake = intake
+        self.tokenizer = intake.tokenizer
+        self.served_model = served_model
+        self.context_length = context_length
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            tenant = self._caller(request)
+            body = await self._body(request)
+            work, argument = self._tokenize_work(body)
+            ids, strs = await self._on_tokenizer(tenant, work, argument)
+            max_model_len = await self.context_length()
+        except Unauthorized as exc:
+            return error_response(unauthorized(exc))
+        except Exception as exc:
+            return error_response(protocol.api_error_from_exception(exc))
+        answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+        return JSONResponse(answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            tenant = self._caller(request)
+            body = await self._body(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or any(type(t) is not int for t in tokens):
+                raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+            if tokens:
+                try:
+                    check_token_ids(tokens, self.intake.vocab_size)
+                except Exception as exc:
+                    raise ApiError(400, str(exc), param="tokens") from exc
+            text = await self._on_tokenizer(tenant, self.tokenizer.decode, tokens)
+        except Unauthorized as exc:
+            return error_response(unauthorized(exc))
+        except Exception as exc:
+            return error_response(protocol.api_error_from_exception(exc))
+        return JSONResponse({"prompt": text})
+
+    def _caller(self, request: Request) -> Tenant | None:
+        """The caller's tenant, for its turn at the tokenizer (None: no keys, or an admin's key)."""
+        authorization = request.headers.get("authorization")
+        self.keyring.check_any(authorization)
+        try:
+            return self.keyring.tenant(authorization)
+        except Unauthorized:
+            return None  # an admin key: any key the router takes will do here
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        body = protocol.decode_body(await read_body(request, self.max_body_bytes, self.body_timeout_s))
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.served_model:
+            message = f"The model {model!r} does not exist; this server serves {self.served_model!r}"
+            raise ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
+        return body
+
+    def _tokenize_work(self, body: dict[str, Any]) -> tuple[Callable[[Any], tuple[list[int], list[str] | None]], Any]:
+        """What the tokenizer's thread runs for this body, and on what."""
+        with_strs = _flag(body, "return_token_strs", False)
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "prompt must be a string", param="prompt")
+            special = _flag(body, "add_special_tokens", True)
+
+            def encode(text: str) -> tuple[list[int], list[str] | None]:
+                return self._with_strs(self.tokenizer.encode(text, add_special_tokens=special), with_strs)
+
+            return encode, prompt
+        for name, no_op in _REFUSED_WITH_MESSAGES.items():
+            value = body.get(name)
+            if value is not None and value != {} and value != [] and not (type(value) is bool and value == no_op):
+                message = f"{name} is not supported by this server; remove it from the request"
+                raise ApiError(400, message, param=name, code="unsupported_parameter")
+        messages = protocol.parse_messages(body["messages"])
+        generation_prompt = _flag(body, "add_generation_prompt", True)
+
+        def render(chat: list[dict[str, str]]) -> tuple[list[int], list[str] | None]:
+            ids = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+            )
+            return self._with_strs(list(ids), with_strs)
+
+        return render, messages
+
+    def _with_strs(self, ids: list[int], with_strs: bool) -> tuple[list[int], list[str] | None]:
+        return ids, (self.tokenizer.convert_ids_to_tokens(ids) if with_strs else None)
+
+    async def _on_tokenizer(self, tenant: Tenant | None, work: Callable[[Any], Any], argument: Any) -> Any:
+        job = self.intake.tokenizer_queue.submit(tenant.name if tenant is not None else "", work, argument)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            job.cancel()  # the client left: a job still waiting never runs
+            raise
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise ApiError(400, f"{name} must be true or false", param=name)
+    return value
