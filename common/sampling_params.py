@@ -22,6 +22,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# OpenAI's bounds: at most this many tokens biased, each by a value in [-100, 100] (added to the
+# logit: -100 bans a token in practice, 100 forces it).
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -45,6 +49,9 @@ class SamplingParams:
     ``stop`` and ``stop_token_ids`` also accept a str / list and are normalized to tuples, so the
     object stays hashable and immutable. ``top_k`` of 0 or -1 disables top-k. ``logprobs`` is the
     number of top alternatives returned besides the chosen token (0 = chosen token only).
+    ``min_tokens``: before that many tokens, EOS and ``stop_token_ids`` cannot be sampled and no stop
+    string ends the request (vLLM's rule). ``logit_bias``: (token id, value added to its logit)
+    pairs, sorted by id; a dict as OpenAI sends it (ids as strings) is accepted.
     """
 
     n: int = 1
@@ -63,6 +70,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n != 1:
@@ -90,6 +99,12 @@ class SamplingParams:
                 f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                 param="logprobs",
             )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                param="min_tokens",
+            )
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -112,6 +127,11 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before picking (logit_bias, min_tokens)."""
+        return bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
@@ -120,7 +140,7 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[f.name] = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
         return out
 
     @classmethod
@@ -173,3 +193,32 @@ def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
         if not _is_int(token_id) or token_id < 0:
             raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {token_id!r}", param="stop_token_ids")
     return tuple(ids)
+
+
+def _normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"50256": -100}`` (or the wire's ``[[50256, -100.0]]``) as sorted (id, bias) pairs."""
+    if bias is None:
+        return ()
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
+        items = [tuple(p) for p in bias]
+    else:
+        raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
+    if len(items) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(
+            f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(items)}", param="logit_bias"
+        )
+    pairs: dict[int, float] = {}
+    for key, value in items:
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12
+        token_id = key if _is_int(key) else int(key) if digits else None
+        if token_id is None or token_id < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}",
+                param="logit_bias",
+            )
+        pairs[token_id] = float(value)
+    return tuple(sorted(pairs.items()))

@@ -156,6 +156,8 @@ class LLMEngine:
                 raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", param="prompt")
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        if any(token_id >= self.vocab_size for token_id, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids below {self.vocab_size}", param="logit_bias")
         if len(token_ids) >= self.max_model_len:
             limit = "context" if self.max_model_len < self.kv.capacity_tokens else "KV cache (kv_cache_memory)"
             raise InvalidRequestError(
@@ -402,7 +404,11 @@ class LLMEngine:
             request = state.request
             rows.append(
                 SamplingRequestState(
-                    request.sampling_params, request.prompt_token_ids, request.output_token_ids, state.generator
+                    request.sampling_params,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    state.generator,
+                    request.eos_token_ids,
                 )
             )
         return rows

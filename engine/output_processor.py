@@ -80,7 +80,9 @@ class OutputProcessor:
         hit = None
         visible = full
         if params.stop and request.status is not RequestStatus.FINISHED_PREFILLED:
-            found = find_stop_string(full, len(new_text), params.stop, params.include_stop_str_in_output)
+            found = None
+            if request.num_output_tokens >= params.min_tokens:  # before, no stop string ends it (vLLM's rule)
+                found = find_stop_string(full, len(new_text), params.stop, params.include_stop_str_in_output)
             if found is not None:
                 hit, keep = found
                 visible = full[:keep]

@@ -121,6 +121,8 @@ class Request:
             return None
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        if self.num_output_tokens < params.min_tokens:  # nothing but the context ends it before then
+            return RequestStatus.FINISHED_LENGTH if self.num_tokens >= max_model_len else None
         if not params.ignore_eos and last in self.eos_token_ids:
             self.stop_reason = None
             return RequestStatus.FINISHED_STOPPED

@@ -7,6 +7,9 @@ Per call, in order (each stage is skipped when no row in the batch needs it):
         ▼
     penalties (repetition over prompt+output, presence/frequency over output)
         │
+        ▼
+    adjustments (logit_bias added; EOS and stop token ids masked before min_tokens)
+        │
         ├──► greedy rows: argmax
         ▼
     / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► exponential race
@@ -38,6 +41,7 @@ class SamplingRequestState:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    eos_token_ids: Sequence[int] = ()  # what min_tokens holds back, with the request's stop token ids
 
 
 @dataclass(slots=True)
@@ -169,7 +173,7 @@ class Sampler:
             return PendingSample(None, rows, None, None)
         # .float() aliases float32 input; every stage below is out-of-place so the caller's tensor survives.
         raw_logits = logits.float()
-        logits = self._penalize(raw_logits, rows)
+        logits = self._adjust(self._penalize(raw_logits, rows), rows)
 
         greedy = [row.params.is_greedy for row in rows]
         sampled = greedy_pick(logits) if all(greedy) else self._sample(logits, rows, greedy, self._upload)
@@ -201,6 +205,34 @@ class Sampler:
             return penalized
         index = torch.tensor(idx, dtype=torch.long, device=logits.device)
         return logits.index_copy(0, index, penalized)
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> torch.Tensor:
+        """logit_bias added, and EOS and the stop token ids masked while a row is short of
+        min_tokens: one scatter of (row, token, value) triples over a copy, for every row at once."""
+        adds: list[tuple[int, int, float]] = []
+        bans: list[tuple[int, int]] = []
+        vocab_size = logits.shape[1]
+        for i, row in enumerate(rows):
+            params = row.params
+            if not params.adjusts_logits:
+                continue
+            adds.extend((i, token_id, bias) for token_id, bias in params.logit_bias if token_id < vocab_size)
+            if len(row.output_token_ids) < params.min_tokens:
+                held = set(params.stop_token_ids) if params.ignore_eos else {*row.eos_token_ids, *params.stop_token_ids}
+                bans.extend((i, token_id) for token_id in held if token_id < vocab_size)
+        if not adds and not bans:
+            return logits
+        logits = logits.clone()  # it may be the raw logits the logprobs are read from, or the caller's
+        if adds:
+            rows_, ids, values = zip(*adds, strict=True)
+            index = (torch.tensor(rows_, device=logits.device), torch.tensor(ids, device=logits.device))
+            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+        if bans:
+            rows_, ids = zip(*bans, strict=True)
+            index = (torch.tensor(rows_, device=logits.device), torch.tensor(ids, device=logits.device))
+            logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        return logits
 
     @staticmethod
     def _sample(

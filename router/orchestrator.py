@@ -212,11 +212,13 @@ class Orchestrator:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt, progress: _Progress
     ) -> ServeRequest:
         """The next attempt's request on the pools: a resumed stream asks for prompt + the tokens
-        already sent, and the remaining ``max_tokens``. Its trace_context is set by the attempt."""
+        already sent, and the remaining ``max_tokens`` and ``min_tokens``. Its trace_context is set by
+        the attempt."""
         sent_ids = progress.sent_ids
-        attempt_params = (
-            dataclasses.replace(params, max_tokens=params.max_tokens - len(sent_ids)) if sent_ids else params
-        )
+        attempt_params = params
+        if sent_ids:  # the rest of the request: what it may still generate, and must before EOS
+            left, held = params.max_tokens - len(sent_ids), max(0, params.min_tokens - len(sent_ids))
+            attempt_params = dataclasses.replace(params, max_tokens=left, min_tokens=held)
         request = ServeRequest(
             request_id=f"{request_id}.{progress.num_calls}",
             prompt_token_ids=prompt_token_ids + sent_ids,

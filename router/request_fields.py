@@ -23,7 +23,7 @@ SAMPLING_FIELDS = (
     *("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"),
     # vLLM extensions
     *("top_k", "min_p", "stop_token_ids", "repetition_penalty", "ignore_eos", "skip_special_tokens"),
-    "include_stop_str_in_output",
+    *("include_stop_str_in_output", "min_tokens", "logit_bias"),
 )
 _BOTH = frozenset({"model", "max_tokens", "stream", "stream_options", "cache_salt", "logprobs", *SAMPLING_FIELDS})
 HONOURED: dict[RequestKind, frozenset[str]] = {
@@ -59,11 +59,9 @@ def _is(*no_ops: Any) -> Callable[[Any], bool]:
 # Refused on both endpoints unless at their no-op value: name -> whether a value is a no-op.
 _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
     "best_of": _is(1),
-    "logit_bias": _empty,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "use_beam_search": _is(False),
     "length_penalty": _is(1.0, 1),
-    "min_tokens": _is(0),
     "spaces_between_special_tokens": _is(True),
     "truncate_prompt_tokens": _absent,
     "allowed_token_ids": _absent,

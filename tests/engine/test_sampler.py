@@ -275,3 +275,31 @@ def test_a_launched_sample_reads_nothing_a_later_step_can_change() -> None:
     got = pending.read()
     assert got.sampled_token_ids == expected.sampled_token_ids
     assert got.logprobs == expected.logprobs
+
+
+def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw() -> None:
+    logits = random_logits(2, 50, seed=3)
+    best = int(logits[0].argmax())
+    forced = SamplingParams(temperature=0, logit_bias={"7": 100}, logprobs=0)
+    banned = SamplingParams(temperature=0, logit_bias={str(best): -100})
+    out = Sampler()(logits.clone(), [row(forced), row(banned)])
+    assert out.sampled_token_ids[0] == 7
+    assert out.sampled_token_ids[1] != best and out.sampled_token_ids[1] == int(logits[1].argmax())
+    # The logprob is the raw model's, as vLLM reports it by default (not the biased one).
+    assert abs(out.logprobs[0].logprob - float(logits[0].log_softmax(-1)[7])) < 1e-5
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached_and_not_after() -> None:
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 2], logits[0, 3], logits[0, 4] = 9.0, 8.0, 1.0  # EOS 2 is best, stop id 3 next
+    params = SamplingParams(temperature=0, min_tokens=2, max_tokens=5, stop_token_ids=[3])
+
+    def pick(output: list[int], eos: tuple[int, ...] = (2,)) -> int:
+        state = SamplingRequestState(params, [1], output, None, eos)
+        return Sampler()(logits.clone(), [state]).sampled_token_ids[0]
+
+    assert pick([]) == 4 and pick([4]) == 4  # neither EOS nor the stop id while fewer than 2
+    assert pick([4, 4]) == 2  # reached: EOS is the best again
+    ignoring = SamplingParams(temperature=0, min_tokens=2, max_tokens=5, stop_token_ids=[3], ignore_eos=True)
+    state = SamplingRequestState(ignoring, [1], [], None, (2,))
+    assert Sampler()(logits.clone(), [state]).sampled_token_ids[0] == 2  # ignore_eos: EOS is just a token

@@ -419,3 +419,21 @@ def test_a_push_refused_mid_prompt_ends_its_request_and_frees_its_blocks(smol_di
         assert finished["again"].outputs[0].token_ids == hf_reference(hf_smol, ids, 4)
         assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0
         prefill.check_integrity()
+
+
+def test_min_tokens_and_logit_bias_hold_across_the_hand_off(smol_dir, hf_smol):
+    """The first token is prefill's and the rest decode's: both apply the request's adjustments."""
+    from tests.engine.test_logit_adjustments import QUESTION, hf_generate
+
+    with engine_pair(engine, smol_dir, "inproc") as (prefill, decode):
+        chat = [{"role": "user", "content": QUESTION}]
+        ids = list(
+            prefill.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        banned = hf_generate(hf_smol, ids, 1)[0]  # the first token prefill would pick
+        params = SamplingParams(temperature=0, max_tokens=16, min_tokens=14, logit_bias={banned: -100.0})
+        prefill.add_request("r", ids, params, kv_ticket=_hand_out(decode, "r", ids, params))
+        finished = drive(prefill, decode)
+        expected = hf_generate(hf_smol, ids, 16, min_new_tokens=14, sequence_bias={(banned,): -100.0})
+        assert finished["r"].outputs[0].token_ids == expected and len(expected) >= 14
+        assert prefill.num_blocks_held() == 0 and decode.num_blocks_held() == 0

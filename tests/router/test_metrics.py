@@ -75,11 +75,11 @@ def test_refusals_and_failures_count_as_failures_by_reason_not_as_latencies():
 
 def test_a_refusal_for_a_field_not_honoured_counts_that_field_and_only_a_known_one():
     metrics = RouterMetrics("disagg", "smol")
-    metrics.request_failed(400, refused_field="min_tokens")
-    metrics.request_failed(400, refused_field="min_tokens")
+    metrics.request_failed(400, refused_field="guided_json")
+    metrics.request_failed(400, refused_field="guided_json")
     metrics.request_failed(400, refused_field="x" * 64)  # not a field any client defines: no label made
     samples = scrape(metrics)
-    assert samples[("pdserve:request_refused_field_total", (("field", "min_tokens"), *MODEL))] == 2
+    assert samples[("pdserve:request_refused_field_total", (("field", "guided_json"), *MODEL))] == 2
     assert not [
         key for key in samples if key[0] == "pdserve:request_refused_field_total" and ("field", "x" * 64) in key[1]
     ]

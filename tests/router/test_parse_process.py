@@ -30,7 +30,8 @@ BODIES = [
     ("completion", {"model": "m", "prompt": "a" * 513}),  # more characters than 64 tokens of 8
     ("chat", {"model": "m", "messages": [{"role": "user", "content": ""}] * 64}),
     ("chat", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}),
-    ("completion", {"model": "m", "prompt": "hi", "logit_bias": {"1": 2}}),  # refused by name
+    ("completion", {"model": "m", "prompt": "hi", "guided_regex": "a+"}),  # refused by name
+    ("completion", {"model": "m", "prompt": "hi", "logit_bias": {"1": 2, "7": -100.0}, "min_tokens": 1}),
     ("completion", {"model": "m", "prompt": "hi", "temperature": -1}),
 ]
 

@@ -155,7 +155,7 @@ def test_bad_messages(messages):
     [
         ("best_of", 2),
         ("best_of", True),
-        ("logit_bias", {"50256": -100}),
+        ("guided_json", {"type": "object"}),
         ("suffix", "end"),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("functions", [{"name": "f"}]),
@@ -561,3 +561,29 @@ def test_cache_salt_is_read_on_both_endpoints_and_checked():
         error = completion_error(cache_salt=salt)
         assert error.status == 400 and error.param == "cache_salt"
         assert chat_error(cache_salt=salt).param == "cache_salt"
+
+
+def test_logit_bias_and_min_tokens_reach_the_sampling_params_as_vllm_reads_them():
+    for parse in (completion, chat):
+        req = parse(logit_bias={"50256": -100, "7": 5.5}, min_tokens=3, max_tokens=8)
+        assert req.sampling.logit_bias == ((7, 5.5), (50256, -100.0)) and req.sampling.min_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past int()'s digit limit: a 400, not a 500
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"1": "high"}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+    ],
+)
+def test_logit_bias_and_min_tokens_out_of_bounds_are_refused_by_name(fields, param):
+    for error in (completion_error(**fields), chat_error(**fields)):
+        assert (error.status, error.param) == (400, param), error.message

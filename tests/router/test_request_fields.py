@@ -75,11 +75,9 @@ def test_every_field_a_client_sends_is_honoured_harmless_or_refused_and_only_one
 # A value that asks for something each refused field's no-op does not.
 ASKING = {
     "best_of": 2,
-    "logit_bias": {"50256": -100},
     "response_format": {"type": "json_object"},
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "min_tokens": 3,
     "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 8,
     "allowed_token_ids": [1, 2],
