@@ -28,7 +28,7 @@ from router.auth import Tenant
 from router.fair_queue import FairQueue
 from router.parse_process import ParseProcess
 from router.prompt_bounds import PromptBounds, check_length, check_prompt_chars, check_token_ids
-from router.protocol import ParsedRequest, RequestKind
+from router.protocol import ChatTemplateOptions, ParsedRequest, RequestKind
 
 # A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
 # 30 MiB list of ids held every stream for seconds when it was checked on the event loop.
@@ -55,6 +55,26 @@ def load_tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], options: ChatTemplateOptions) -> list[int]:
+    """The chat's prompt ids through the model's template. A template that cannot render what the
+    client sent (a final message it cannot continue, a variable it refuses) is the client's 400."""
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **options.kwargs,
+        )
+    except Exception as exc:  # jinja2's errors, and transformers' ValueError
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        raise InvalidRequestError(
+            f"the chat template cannot render these messages: {reason}", param="messages"
+        ) from exc
+    return list(ids)
 
 
 def decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
@@ -125,10 +145,7 @@ class PromptIntake:
     def tokenize(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
         if parsed.kind == "chat":
             assert parsed.messages is not None
-            ids = self.tokenizer.apply_chat_template(
-                parsed.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids), None
+            return render_chat(self.tokenizer, parsed.messages, parsed.chat_template or ChatTemplateOptions()), None
         if isinstance(parsed.prompt, str):
             if not parsed.prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")

@@ -12,7 +12,7 @@ client defines is ignored, as vLLM ignores one.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import InvalidRequestError, OverloadedError
@@ -26,9 +26,11 @@ __all__ = [  # KNOWN_FIELDS and RequestKind are request_fields', handed on
     "KNOWN_FIELDS",
     "MAX_CACHE_SALT_CHARS",
     "ApiError",
+    "ChatTemplateOptions",
     "ParsedRequest",
     "RequestKind",
     "api_error_from_exception",
+    "chat_template_options",
     "decode_body",
     "parse_chat_request",
     "parse_completion_request",
@@ -81,6 +83,25 @@ def api_error_from_exception(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal server error ({type(exc).__name__})", type="server_error")
 
 
+# apply_chat_template's own parameters: chat_template_kwargs may not set them (vLLM's rule too).
+_TEMPLATE_PARAMETERS = frozenset(
+    {
+        *("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt"),
+        *("continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors"),
+        *("return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a chat's messages are rendered into its prompt (vLLM's fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message stays open: the model continues it
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs: the template's variables
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     """A validated /v1/completions or /v1/chat/completions request."""
@@ -97,6 +118,7 @@ class ParsedRequest:
     user: str | None = None
     cache_salt: str | None = None  # vLLM's field: prompts share cached KV only under one salt
     max_tokens_field: str | None = None  # where the client named max_tokens; None: the default applies
+    chat_template: ChatTemplateOptions | None = None  # chat only
 
 
 MAX_CACHE_SALT_CHARS = 1024
@@ -207,7 +229,25 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         user,
         cache_salt,
         max_tokens_field if max_tokens is not None else None,
+        chat_template_options(body) if kind == "chat" else None,
     )
+
+
+def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs, checked as vLLM checks them."""
+    generation_prompt = _optional_bool(body, "add_generation_prompt", default=True)
+    continue_final = _optional_bool(body, "continue_final_message")
+    if generation_prompt and continue_final:
+        message = "continue_final_message cannot be used with add_generation_prompt (set it to false)"
+        raise ApiError(400, message, param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(_TEMPLATE_PARAMETERS & set(kwargs))
+    if reserved:
+        message = f"chat_template_kwargs may not set {', '.join(reserved)}: give them as the request's own fields"
+        raise ApiError(400, message, param="chat_template_kwargs")
+    return ChatTemplateOptions(generation_prompt, continue_final, dict(kwargs))
 
 
 def _cache_salt(salt: object) -> str | None:
@@ -222,10 +262,10 @@ def _cache_salt(salt: object) -> str | None:
     return salt
 
 
-def _optional_bool(body: dict[str, Any], name: str) -> bool:
+def _optional_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
     return value

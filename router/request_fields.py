@@ -28,7 +28,9 @@ SAMPLING_FIELDS = (
 _BOTH = frozenset({"model", "max_tokens", "stream", "stream_options", "cache_salt", "logprobs", *SAMPLING_FIELDS})
 HONOURED: dict[RequestKind, frozenset[str]] = {
     "completion": _BOTH | {"prompt", "echo"},
-    "chat": _BOTH | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": _BOTH
+    | {"messages", "max_completion_tokens", "top_logprobs"}
+    | {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
 }
 HARMLESS = frozenset(
     {
@@ -90,11 +92,8 @@ _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
     # Without tools, "auto" answers in text, as vLLM does; anything else asks for a tool call.
     "tool_choice": _is("none", "auto"),
     "function_call": _is("none", "auto"),
-    "add_generation_prompt": _is(True),
-    "continue_final_message": _is(False),
     "documents": _empty,
     "chat_template": _absent,
-    "chat_template_kwargs": _empty,
     "mm_processor_kwargs": _empty,
     "reasoning_effort": _absent,
     "verbosity": _absent,
@@ -107,7 +106,13 @@ _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
 REFUSED: dict[RequestKind, dict[str, Callable[[Any], bool]]] = {
     # add_special_tokens at vLLM's default of each endpoint: the tokenizer's own special tokens on
     # completions, the chat template's alone on chat.
-    "completion": {**_REFUSED_BOTH, "add_special_tokens": _is(True)},
+    "completion": {
+        **_REFUSED_BOTH,
+        "add_special_tokens": _is(True),
+        "add_generation_prompt": _is(True),
+        "continue_final_message": _is(False),
+        "chat_template_kwargs": _empty,
+    },
     # vLLM's chat echo prepends the last message; /v1/completions echoes the prompt.
     "chat": {**_REFUSED_BOTH, "add_special_tokens": _is(False), "echo": _is(False)},
 }

@@ -20,16 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from router import protocol
 from router.auth import KeyRing, Tenant, Unauthorized
 from router.http_edge import error_response, read_body, unauthorized
-from router.intake import PromptIntake
+from router.intake import PromptIntake, render_chat
 from router.prompt_bounds import check_token_ids
 from router.protocol import ApiError
 
 # Refused unless at their no-op (None, or the value given): vLLM's tokenize fields this router does
 # not honour. add_special_tokens on messages: the chat template alone places special tokens here.
 _REFUSED_WITH_MESSAGES = {
-    "continue_final_message": False,
     "chat_template": None,
-    "chat_template_kwargs": None,
     "tools": None,
     "mm_processor_kwargs": None,
     "add_special_tokens": False,
@@ -127,13 +125,10 @@ class TokenizerRoutes:
                 message = f"{name} is not supported by this server; remove it from the request"
                 raise ApiError(400, message, param=name, code="unsupported_parameter")
         messages = protocol.parse_messages(body["messages"])
-        generation_prompt = _flag(body, "add_generation_prompt", True)
+        options = protocol.chat_template_options(body)
 
         def render(chat: list[dict[str, str]]) -> tuple[list[int], list[str] | None]:
-            ids = self.tokenizer.apply_chat_template(
-                chat, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
-            )
-            return self._with_strs(list(ids), with_strs)
+            return self._with_strs(render_chat(self.tokenizer, chat, options), with_strs)
 
         return render, messages
 

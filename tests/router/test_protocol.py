@@ -587,3 +587,20 @@ def test_logit_bias_and_min_tokens_reach_the_sampling_params_as_vllm_reads_them(
 def test_logit_bias_and_min_tokens_out_of_bounds_are_refused_by_name(fields, param):
     for error in (completion_error(**fields), chat_error(**fields)):
         assert (error.status, error.param) == (400, param), error.message
+
+
+def test_the_chat_template_options_are_read_on_chat_and_refused_on_completions():
+    from router.protocol import ChatTemplateOptions
+
+    assert chat().chat_template == ChatTemplateOptions(True, False, {})
+    options = chat(add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"x": 1})
+    assert options.chat_template == ChatTemplateOptions(False, True, {"x": 1})
+    for fields, param in (
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"continue_final_message": True}, "continue_final_message"),  # beside the default generation prompt
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ):
+        assert (chat_error(**fields).status, chat_error(**fields).param) == (400, param)
+    error = completion_error(add_generation_prompt=False)
+    assert (error.param, error.code) == ("add_generation_prompt", "unsupported_parameter")

@@ -73,3 +73,54 @@ def test_the_model_card_carries_max_model_len_and_the_version_is_served(serve): 
         assert status == 200 and isinstance(answer["version"], str) and answer["version"]
 
     serve(scenario)
+
+
+def test_the_chat_template_s_options_render_as_transformers_renders_them(serve, tokenizer):  # noqa: F811
+    continued = [*CHAT, {"role": "assistant", "content": "It stands on the"}]
+    cases = [
+        ({"messages": CHAT, "add_generation_prompt": False}, dict(add_generation_prompt=False)),
+        (
+            {"messages": continued, "add_generation_prompt": False, "continue_final_message": True},
+            dict(add_generation_prompt=False, continue_final_message=True),
+        ),
+        ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, dict(add_generation_prompt=True)),
+    ]
+
+    async def scenario(server, request):
+        for body, hf_options in cases:
+            status, _, answer = await request("/tokenize", body)
+            expected = tokenizer.apply_chat_template(body["messages"], tokenize=True, return_dict=False, **hf_options)
+            assert status == 200 and answer["tokens"] == list(expected), body
+        # Continued: the assistant's message stays open, as the model is to go on with it.
+        continued_ids = tokenizer.apply_chat_template(
+            continued, tokenize=True, return_dict=False, add_generation_prompt=False, continue_final_message=True
+        )
+        assert tokenizer.decode(continued_ids).endswith("It stands on the")
+        status, _, error = await request("/tokenize", {"messages": continued, "continue_final_message": True})
+        assert status == 400 and error["error"]["param"] == "continue_final_message"  # with the generation prompt
+        status, _, error = await request("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": False}})
+        assert status == 400 and error["error"]["param"] == "chat_template_kwargs"
+
+    serve(scenario)
+
+
+def test_a_template_that_cannot_render_the_messages_is_the_client_s_400_not_a_500(serve):  # noqa: F811
+    import jinja2
+
+    async def scenario(server, request):
+        real = server.tokenizer.apply_chat_template
+
+        def refusing(messages, **options):
+            if messages[-1]["content"] == "break":
+                raise jinja2.exceptions.TemplateError("this template refuses it")
+            return real(messages, **options)
+
+        server.tokenizer.apply_chat_template = refusing
+        body = {"model": "smol", "messages": [{"role": "user", "content": "break"}], "max_tokens": 2}
+        status, _, error = await request("/v1/chat/completions", body)
+        assert status == 400 and error["error"]["param"] == "messages" and "template" in error["error"]["message"]
+        status, _, error = await request("/tokenize", {"messages": body["messages"]})
+        assert status == 400 and error["error"]["param"] == "messages"
+        assert (await request("/tokenize", {"messages": CHAT}))[0] == 200  # and it serves on
+
+    serve(scenario)
