@@ -19,8 +19,9 @@ def load_hf(model_dir: Path, dtype: Any = None, device: Any = "cpu") -> Any:
     return model
 
 
-def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy decoding of ``prompt_ids``, on the model's device: the new token ids."""
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, **constraints: Any) -> list[int]:
+    """transformers' greedy decoding of ``prompt_ids``, on the model's device: the new token ids.
+    ``constraints``: generate's own (``min_new_tokens``, ``sequence_bias``), for the oracle of ours."""
     import torch
 
     ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
@@ -33,5 +34,6 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
             temperature=None,
             top_p=None,
             top_k=None,
+            **constraints,
         )
     return out[0, len(prompt_ids) :].tolist()

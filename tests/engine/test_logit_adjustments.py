@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from bench.oracle import hf_greedy
 from engine import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
@@ -21,21 +21,8 @@ def llm(smol_dir):
         assert instance.engine.num_blocks_held() == 0
 
 
-def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **constraints) -> list[int]:
-    """transformers' greedy decoding under its own constraints (its stop on EOS included)."""
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            **constraints,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+# transformers' greedy decoding under its own constraints (its stop on EOS included).
+hf_generate = hf_greedy
 
 
 def test_min_tokens_holds_eos_back_as_transformers_min_new_tokens(llm, hf_smol):
