@@ -102,9 +102,7 @@ class AdminRoutes:
         except Unauthorized as exc:
             return error_response(unauthorized(exc))
         if model_id != self.served_model:
-            message = f"The model {model_id!r} does not exist; this server serves {self.served_model!r}"
-            error = protocol.ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
-            return error_response(error)
+            return error_response(protocol.model_not_found(model_id, self.served_model))
         return await self._card()
 
     async def version(self) -> dict[str, str]:

@@ -32,10 +32,13 @@ __all__ = [  # KNOWN_FIELDS and RequestKind are request_fields', handed on
     "api_error_from_exception",
     "chat_template_options",
     "decode_body",
+    "model_not_found",
+    "optional_bool",
     "parse_chat_request",
     "parse_completion_request",
     "parse_messages",
     "parse_request",
+    "raise_if_refused",
 ]
 
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
@@ -167,19 +170,15 @@ def _check_model_and_fields(body: object, served_model: str, kind: RequestKind) 
     if not isinstance(model, str) or not model.strip():
         raise ApiError(400, f"model must be a non-empty string; this server serves {served_model!r}", param="model")
     if model != served_model:
-        message = f"The model {model!r} does not exist; this server serves {served_model!r}"
-        raise ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
-    refused = refused_field(body, kind)
-    if refused is not None:
-        name, message = refused
-        raise ApiError(400, message, param=name, code="unsupported_parameter")
+        raise model_not_found(model, served_model)
+    raise_if_refused(body, kind)
     return model
 
 
 def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
     model = _check_model_and_fields(body, served_model, kind)
     assert isinstance(body, dict)
-    stream = _optional_bool(body, "stream")
+    stream = optional_bool(body, "stream")
     include_usage = _include_usage(body.get("stream_options"), stream)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -194,7 +193,7 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         prompt = _parse_prompt(body.get("prompt"))
         max_tokens_field, default_max_tokens = "max_tokens", DEFAULT_MAX_TOKENS_COMPLETION
         logprobs = body.get("logprobs")  # SamplingParams checks it is null or an int in [0, 20]
-        echo = _optional_bool(body, "echo")
+        echo = optional_bool(body, "echo")
         if echo and logprobs is not None:
             # vLLM answers with the prompt tokens' logprobs too (what lm-eval's loglikelihood tasks
             # read); logprobs of the generated tokens alone would score every task empty.
@@ -235,8 +234,8 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
 
 def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
     """add_generation_prompt, continue_final_message and chat_template_kwargs, checked as vLLM checks them."""
-    generation_prompt = _optional_bool(body, "add_generation_prompt", default=True)
-    continue_final = _optional_bool(body, "continue_final_message")
+    generation_prompt = optional_bool(body, "add_generation_prompt", default=True)
+    continue_final = optional_bool(body, "continue_final_message")
     if generation_prompt and continue_final:
         message = "continue_final_message cannot be used with add_generation_prompt (set it to false)"
         raise ApiError(400, message, param="continue_final_message")
@@ -262,7 +261,21 @@ def _cache_salt(salt: object) -> str | None:
     return salt
 
 
-def _optional_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def model_not_found(model: str, served_model: str) -> ApiError:
+    """OpenAI's 404 for a model this server does not serve."""
+    message = f"The model {model!r} does not exist; this server serves {served_model!r}"
+    return ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
+
+
+def raise_if_refused(body: dict[str, Any], kind: RequestKind) -> None:
+    """The 400 naming the first field ``body`` sets that this endpoint does not honour (request_fields)."""
+    refused = refused_field(body, kind)
+    if refused is not None:
+        name, message = refused
+        raise ApiError(400, message, param=name, code="unsupported_parameter")
+
+
+def optional_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -288,7 +301,7 @@ def _include_usage(options: object, stream: bool) -> bool:
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
     top_logprobs = body.get("top_logprobs")
-    if not _optional_bool(body, "logprobs"):
+    if not optional_bool(body, "logprobs"):
         if top_logprobs is not None:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         return None

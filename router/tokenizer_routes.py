@@ -5,7 +5,7 @@
 
 Any key the completions take is enough. The work runs on the tokenizer's thread, tenants in turns
 (router.fair_queue), never on the event loop. Of vLLM's fields, those this router does not honour
-are refused by name at any value but their no-op, as on the completion routes.
+are refused by name at any value but their no-op, as on the chat route.
 """
 
 from __future__ import annotations
@@ -23,15 +23,6 @@ from router.http_edge import error_response, read_body, unauthorized
 from router.intake import PromptIntake, render_chat
 from router.prompt_bounds import check_token_ids
 from router.protocol import ApiError
-
-# Refused unless at their no-op (None, or the value given): vLLM's tokenize fields this router does
-# not honour. add_special_tokens on messages: the chat template alone places special tokens here.
-_REFUSED_WITH_MESSAGES = {
-    "chat_template": None,
-    "tools": None,
-    "mm_processor_kwargs": None,
-    "add_special_tokens": False,
-}
 
 
 class TokenizerRoutes:
@@ -100,30 +91,26 @@ class TokenizerRoutes:
             raise ApiError(400, "request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.served_model:
-            message = f"The model {model!r} does not exist; this server serves {self.served_model!r}"
-            raise ApiError(404, message, type="not_found_error", param="model", code="model_not_found")
+            raise protocol.model_not_found(model, self.served_model)
         return body
 
     def _tokenize_work(self, body: dict[str, Any]) -> tuple[Callable[[Any], tuple[list[int], list[str] | None]], Any]:
         """What the tokenizer's thread runs for this body, and on what."""
-        with_strs = _flag(body, "return_token_strs", False)
+        with_strs = protocol.optional_bool(body, "return_token_strs")
         if ("prompt" in body) == ("messages" in body):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         if "prompt" in body:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
                 raise ApiError(400, "prompt must be a string", param="prompt")
-            special = _flag(body, "add_special_tokens", True)
+            special = protocol.optional_bool(body, "add_special_tokens", default=True)
 
             def encode(text: str) -> tuple[list[int], list[str] | None]:
                 return self._with_strs(self.tokenizer.encode(text, add_special_tokens=special), with_strs)
 
             return encode, prompt
-        for name, no_op in _REFUSED_WITH_MESSAGES.items():
-            value = body.get(name)
-            if value is not None and value != {} and value != [] and not (type(value) is bool and value == no_op):
-                message = f"{name} is not supported by this server; remove it from the request"
-                raise ApiError(400, message, param=name, code="unsupported_parameter")
+        # Rendered as a chat request's messages are: what the chat route refuses is refused here.
+        protocol.raise_if_refused(body, "chat")
         messages = protocol.parse_messages(body["messages"])
         options = protocol.chat_template_options(body)
 
@@ -142,12 +129,3 @@ class TokenizerRoutes:
         except asyncio.CancelledError:
             job.cancel()  # the client left: a job still waiting never runs
             raise
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if type(value) is not bool:
-        raise ApiError(400, f"{name} must be true or false", param=name)
-    return value
