@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 for the likeliest token; prompt_logprobs only
 
 
 @dataclass(slots=True)
@@ -57,3 +58,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     kv_block_ids: list[int] | None = None  # prefill role: blocks held for the hand-off until released
+    # prompt_logprobs, on the output with the first token: [i] scores prompt token i + 1 (the first
+    # prompt token has no score). None when not asked for, or already handed out.
+    prompt_logprobs: list[TokenLogprob] | None = None

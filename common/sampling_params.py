@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from common.errors import InvalidRequestError
@@ -52,6 +52,8 @@ class SamplingParams:
     ``min_tokens``: before that many tokens, EOS and ``stop_token_ids`` cannot be sampled and no stop
     string ends the request (vLLM's rule). ``logit_bias``: (token id, value added to its logit)
     pairs, sorted by id; a dict as OpenAI sends it (ids as strings) is accepted.
+    ``prompt_logprobs``: each prompt token's logprob given the tokens before it, with that many top
+    alternatives (the prompt is then computed whole: no prefix-cache hits).
     """
 
     n: int = 1
@@ -72,12 +74,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n != 1:
-            raise InvalidRequestError(
-                f"n must be 1 (got {self.n!r}); only one sequence per request is supported", param="n"
-            )
+        # n > 1 is the router's: it runs n requests of n = 1, whose prompts share cached KV blocks.
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}", param="n")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
@@ -99,6 +101,13 @@ class SamplingParams:
                 f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                 param="logprobs",
             )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+                param="prompt_logprobs",
+            )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
@@ -117,6 +126,12 @@ class SamplingParams:
             raise InvalidRequestError(f"{name} must be a number {allowed}, got {value!r}", param=name)
         # Store floats so the dict form (and equality after a round trip) does not depend on 1 vs 1.0.
         object.__setattr__(self, name, float(value))
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice ``index`` of an ``n > 1`` request, run as a request of its own:
+        n = 1, and its own seed stream (seed + index, vLLM's rule) when the request is seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

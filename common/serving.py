@@ -76,6 +76,8 @@ class StreamDelta:
     new_token_ids: list[int]
     new_text: str
     logprobs: list[TokenLogprob] | None = None  # one per new token when asked for
+    # prompt_logprobs, on the first delta with a token: [i] scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None
@@ -91,6 +93,7 @@ class StreamDelta:
     # the request's time to first token went (router.ttft).
     prefill_reply: PrefillResult | None = None
     ttft_breakdown: TTFTBreakdown | None = None
+    index: int = 0  # the router's: which choice of the answer (n > 1, a batch of prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ class PrefillResult:
     error: str | None = None  # the hand-off failed; the decode side ends the request too
     replica_id: str = ""
     first_logprob: TokenLogprob | None = None  # when asked for: the decode side does not get it
+    prompt_logprobs: list[TokenLogprob] | None = None  # the same: the prompt ran here
     queue_time_s: float | None = None  # arrival on the replica to the first chunk scheduled
     prefill_time_s: float | None = None  # first chunk scheduled to the prompt computed
     kv_bytes: int = 0  # KV this replica's shards sent, all of them together

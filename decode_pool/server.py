@@ -52,6 +52,7 @@ def to_delta(outputs: list[RequestOutput], replica_id: str, with_timings: bool =
     completion = last.outputs[0]
     new_ids = [t for o in outputs for t in o.outputs[0].new_token_ids]
     logprobs = [lp for o in outputs for lp in (o.outputs[0].new_logprobs or ())]
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     queue_time_s = prefill_time_s = None
     metrics = last.metrics
     if with_timings and last.finished and metrics is not None and metrics.first_scheduled_time is not None:
@@ -63,6 +64,7 @@ def to_delta(outputs: list[RequestOutput], replica_id: str, with_timings: bool =
         new_token_ids=new_ids,
         new_text="".join(o.outputs[0].new_text for o in outputs),
         logprobs=logprobs or None,
+        prompt_logprobs=prompt_logprobs,
         finish_reason=completion.finish_reason if last.finished else None,
         stop_reason=completion.stop_reason,
         error=last.error,

@@ -39,7 +39,14 @@ class LLM:
         compile: bool = True,
         enforce_eager: bool = False,
         attention_backend: str = "auto",
+        revision: str | None = None,
+        chat_template: str | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
+        """``model``: a Hugging Face directory, a .gguf file, a Hub id (``org/name``, at
+        ``revision``) or None (the default model). ``chat_template``: a file or an inline template
+        replacing the model's. ``gpu_memory_utilization``: CUDA, vLLM's meaning (replaces
+        ``kv_cache_memory``)."""
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -50,9 +57,14 @@ class LLM:
                 compile=compile,
                 enforce_eager=enforce_eager,
                 attention_backend=attention_backend,
+                revision=revision,
+                chat_template=chat_template,
             ),
             cache=CacheConfig(
-                block_size=block_size, kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -92,12 +104,22 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(batch):
                 raise ValueError(f"{len(params_list)} sampling params for {len(batch)} prompts")
-        ids = [f"offline-{next(self._ids)}" for _ in batch]
-        return self._run(
-            list(zip(ids, batch, params_list, strict=True)),
-            cache_salt,
-            use_tqdm if use_tqdm is not None else len(batch) >= 8,
-        )
+        # n > 1: each choice is a request of its own (its prompt's blocks come from the prefix cache).
+        work = [
+            (f"offline-{next(self._ids)}", prompt, params.for_choice(i))
+            for prompt, params in zip(batch, params_list, strict=True)
+            for i in range(params.n)
+        ]
+        # A prompt's other choices start once its first choice has its first token: its prompt's
+        # blocks are in the prefix cache by then, and the others take them from there.
+        leaders: dict[str, str] = {}
+        start = 0
+        for params in params_list:
+            for request_id, _, _ in work[start + 1 : start + params.n]:
+                leaders[request_id] = work[start][0]
+            start += params.n
+        outputs = self._run(work, cache_salt, use_tqdm if use_tqdm is not None else len(work) >= 8, leaders)
+        return _merge_choices(outputs, [params.n for params in params_list])
 
     def chat(
         self,
@@ -105,22 +127,38 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them), then generate."""
+        """Apply the chat template (``chat_template``'s text, else the instance's) to one
+        conversation (or a list of them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             list(
                 self.tokenizer.apply_chat_template(
-                    list(conv), add_generation_prompt=True, tokenize=True, return_dict=False
+                    list(conv),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                    chat_template=chat_template,
                 )
             )
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, work: list[tuple[str, Prompt, SamplingParams]], cache_salt: str | None, use_tqdm: bool):
-        """Feed requests as the engine's bounded queue has room; on any error abort what is in flight."""
+    def _run(
+        self,
+        work: list[tuple[str, Prompt, SamplingParams]],
+        cache_salt: str | None,
+        use_tqdm: bool,
+        leaders: dict[str, str] | None = None,
+    ):
+        """Feed requests as the engine's bounded queue has room; on any error abort what is in flight.
+        ``leaders``: a request waits until its leader has produced a token (or ended)."""
+        leaders = leaders or {}
         pending = deque(work)
+        held: list[tuple[str, Prompt, SamplingParams]] = []
+        produced: set[str] = set()
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -128,11 +166,18 @@ class LLM:
 
             bar = tqdm(total=len(work), desc="Generating", unit="req", dynamic_ncols=True)
         try:
-            while pending or self.engine.has_unfinished_requests():
+            while pending or held or self.engine.has_unfinished_requests():
+                pending.extendleft(reversed([item for item in held if leaders[item[0]] in produced]))
+                held = [item for item in held if leaders[item[0]] not in produced]
                 while pending and self.engine.can_accept():
                     request_id, prompt, params = pending.popleft()
+                    if request_id in leaders and leaders[request_id] not in produced:
+                        held.append((request_id, prompt, params))
+                        continue
                     self.engine.add_request(request_id, prompt, params, cache_salt)
                 for output in self.engine.step():
+                    if output.outputs[0].new_token_ids or output.finished:
+                        produced.add(output.request_id)
                     if output.finished:
                         finished[output.request_id] = output
                         if bar is not None:
@@ -156,3 +201,18 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _merge_choices(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
+    """One output per prompt, its ``n`` choices as its completions (index 0..n-1), as vLLM's."""
+    merged = []
+    start = 0
+    for count in counts:
+        first, *rest = outputs[start : start + count]
+        for index, other in enumerate(rest, start=1):
+            completion = other.outputs[0]
+            completion.index = index
+            first.outputs.append(completion)
+        merged.append(first)
+        start += count
+    return merged

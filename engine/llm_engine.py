@@ -30,6 +30,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_connector import model_fingerprint
 from engine.model_loader import resolve_model_dir
 from engine.output_processor import OutputProcessor
+from engine.prompt_logprobs import score_prompts
 from engine.request import Request, RequestStatus
 from engine.sampler import PendingSample, Sampler, SamplingRequestState, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -78,8 +79,8 @@ def _generator(seed: int | None, device: torch.device):
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, launcher: WorkerLauncher | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.model_dir = resolve_model_dir(config.model.model, config.model.cache_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model_dir = resolve_model_dir(config.model.model, config.model.cache_dir, config.model.revision)
+        self.tokenizer = load_tokenizer(self.model_dir, config.model.chat_template)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.model_id = model_fingerprint((self.model_dir / "config.json").read_bytes())  # what KV tickets name
         self.executor = Executor(config, self.model_dir, launcher)
@@ -143,6 +144,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        if params.n != 1:  # LLM.generate and the router run each choice as a request (for_choice)
+            raise InvalidRequestError(f"the engine runs one sequence per request, got n={params.n}", param="n")
         # A push still ending (its request preempted mid-prompt) keeps its id: the shards key it so.
         held = self.handoff.holds_id(request_id)
         if request_id in self.outputs.states or request_id in self.scheduler.requests or held:
@@ -338,12 +341,18 @@ class LLMEngine:
         ``previous``: the step still on the device whose sampled ids this one's placeholders take."""
         started = time.monotonic()
         self.outputs.mark_scheduled([c.request_id for c in scheduled.chunks], started)
-        step_input, sampled_ids = build_step_input(scheduled, self.layout.block_size)
+        step_input, sampled_ids, scored_rows = build_step_input(scheduled, self.layout.block_size)
         carried = None
         if previous is not None and previous.pending is not None and previous.pending.sampled is not None:
             carried = carried_tokens(step_input, sampled_ids, previous.sampled_ids, previous.pending.sampled)
         logits = self.executor.execute(step_input, plan, carried)
         self.num_steps += 1
+        if scored_rows:  # the prompt-logprob rows follow the sampled ones
+            assert logits is not None
+            num_sampled = len(sampled_ids)
+            scores = score_prompts(logits[num_sampled:], scored_rows, self._prompt_scoring)
+            self.outputs.record_prompt_logprobs(scores)
+            logits = logits[:num_sampled]
         pending = None
         if sampled_ids:
             assert logits is not None
@@ -396,6 +405,10 @@ class LLMEngine:
     def _emit_if_live(self, request: Request) -> None:
         if request.request_id in self.outputs.states and not request.is_finished:
             self._outputs_outside_step.append(self._emit_new_tokens(request))
+
+    def _prompt_scoring(self, request_id: str) -> tuple[list[int], int]:
+        request = self.outputs.states[request_id].request
+        return request.prompt_token_ids, request.sampling_params.prompt_logprobs or 0
 
     def _sampling_rows(self, sampled_ids: list[str]) -> list[SamplingRequestState]:
         rows = []

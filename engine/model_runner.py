@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
+from common.config import CacheConfig, EngineConfig
 from common.errors import ConfigError
 from common.kv_layout import KVCacheLayout, bytes_per_block
 from common.kv_messages import ConnectorStep, ShardReport
@@ -21,7 +21,13 @@ from engine.cuda_graphs import CaptureReport, DecodeBatch, DecodeGraphs, memory_
 from engine.distributed.parallel import TensorParallel
 from engine.dtype_probe import advise_on_bfloat16, resolve_auto_dtype
 from engine.heap import keep_freed_memory
-from engine.kv_cache_memory import allocate_kv_caches, release_kv_caches
+from engine.kv_cache_memory import (
+    DeviceMemory,
+    activation_reserve,
+    allocate_kv_caches,
+    gpu_kv_budget,
+    release_kv_caches,
+)
 from engine.kv_connector import KVConnector, load_connector, model_fingerprint
 from engine.layers.linear import cpu_packing_available, pack_linear_weights
 from engine.models import check_tp_degree, resolve_architecture
@@ -100,6 +106,12 @@ def _layer_stack(model: LlamaForCausalLM, config: EngineConfig, device: torch.de
     if device.type != "cpu":
         return f"plain torch ops on {device.type} (the compiled kernels are CPU-only)"
     return "plain torch ops (the CPU kernels are unavailable here: see the warning above)"
+
+
+def _budget_key(cache: CacheConfig) -> str:
+    if cache.gpu_memory_utilization is not None:
+        return f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+    return f"kv_cache_memory={cache.kv_cache_memory}"
 
 
 def check_model(config: EngineConfig, model_dir: Path) -> LlamaShape:
@@ -220,15 +232,15 @@ class ModelRunner:
             self.shape.num_layers, num_kv_heads, self.shape.head_dim, cache.block_size, dtype_name
         )
         budget = cache.kv_cache_memory
-        if isinstance(budget, float):
+        if cache.gpu_memory_utilization is not None:
+            budget = self._utilization_budget(cache.gpu_memory_utilization)
+        elif isinstance(budget, float):
             shards_here = self.tp.size if self.device.type == "cpu" else 1
             available = available_memory_bytes(self.device) - self._graph_memory_reserve()
             budget = int(available * budget / shards_here)
         num_blocks = self.tp.all_reduce_min_cpu(budget // per_block)
         if num_blocks < 1:
-            raise ConfigError(
-                f"kv_cache_memory={cache.kv_cache_memory} leaves no room for one KV block ({per_block} bytes); raise it"
-            )
+            raise ConfigError(f"{_budget_key(cache)} leaves no room for one KV block ({per_block} bytes); raise it")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB per shard)",
             num_blocks,
@@ -245,6 +257,32 @@ class ModelRunner:
             total_kv_heads=self.shape.num_kv_heads,
             tp_size=self.tp.size,
             tp_rank=self.tp.rank,
+        )
+
+    def _utilization_budget(self, utilization: float) -> int:
+        """vLLM's gpu_memory_utilization on this shard's device (CUDA only: on CPU the host's
+        memory is every process's, and kv_cache_memory sizes the cache)."""
+        if self.device.type != "cuda":
+            raise ConfigError(
+                f"gpu_memory_utilization={utilization} (--gpu-memory-utilization) sizes a GPU's memory; "
+                f"this shard runs on {self.device.type}: size its KV cache with kv_cache_memory "
+                "(--kv-cache-memory, a fraction of the free host memory or bytes) instead"
+            )
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = self._graph_memory_reserve() + self._activation_reserve()
+        return gpu_kv_budget(utilization, DeviceMemory(total=total, free=free), reserved)
+
+    def _activation_reserve(self) -> int:
+        shape, tp, scheduler = self.shape, self.tp.size, self.config.scheduler
+        return activation_reserve(
+            scheduler.max_num_batched_tokens,
+            scheduler.max_num_seqs,
+            shape.hidden_size,
+            shape.num_heads // tp * shape.head_dim,
+            max(1, shape.num_kv_heads // tp) * shape.head_dim,
+            shape.intermediate_size // tp,
+            shape.vocab_size,
+            torch.empty((), dtype=self.dtype).element_size(),
         )
 
     def _graph_memory_reserve(self) -> int:
@@ -300,7 +338,8 @@ class ModelRunner:
         """Run one step on this shard; every shard must call it with the same input. ``carried``:
         input ids still on the device (async scheduling, one shard only).
 
-        Returns the sampled rows' logits [rows, vocab] in float32 on the driver, None elsewhere.
+        Returns the logits [rows, vocab] in float32 on the driver, None elsewhere: the sampled
+        rows (``logits_indices``), then the prompt-logprob rows (``prompt_logprob_indices``).
         """
         if self.connector is not None:
             self.connector.start_step(connector_step or ConnectorStep())
@@ -323,9 +362,13 @@ class ModelRunner:
             tensors.input_ids.index_copy_(0, *device_ids)
         meta = self.backend.build_metadata(tensors, self.layout.block_size)
         hidden = self.model(tensors.input_ids, tensors.positions, self.kv_caches, meta)
-        if not step.logits_indices:
+        if not step.logits_indices and not step.prompt_logprob_indices:
             return None
-        logits = self.model.compute_logits(hidden[tensors.logits_indices])
+        rows = tensors.logits_indices
+        if step.prompt_logprob_indices:  # rare (prompt_logprobs): a plain copy, not the pinned buffers'
+            scored = torch.tensor(step.prompt_logprob_indices, dtype=torch.long).to(self.device)
+            rows = torch.cat([rows, scored])
+        logits = self.model.compute_logits(hidden[rows])
         return logits.float() if logits is not None else None
 
 

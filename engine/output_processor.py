@@ -27,6 +27,9 @@ class RequestState:
     text: str = ""
     num_emitted_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # prompt_logprobs: [i] scores prompt token i + 1; handed out once, with the first token.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -43,6 +46,7 @@ class OutputProcessor:
             generator=generator,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         self.states[request.request_id] = state
         return state
@@ -51,6 +55,15 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is not None and state.logprobs is not None and logprob is not None:
             state.logprobs.append(logprob)
+
+    def record_prompt_logprobs(self, scores: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
+        for request_id, entries in scores.items():
+            state = self.states.get(request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            for position, logprob in entries:
+                if position == len(state.prompt_logprobs) + 1:  # a recomputed position keeps its first score
+                    state.prompt_logprobs.append(logprob)
 
     def mark_scheduled(self, request_ids: list[str], now: float) -> None:
         for request_id in request_ids:
@@ -106,6 +119,9 @@ class OutputProcessor:
         if logprobs is not None:
             # Recorded before the tokens are emitted, so the last len(new_ids) belong to new_ids.
             new_logprobs = logprobs[max(0, len(logprobs) - len(new_ids)) :] if new_ids else []
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent and (new_ids or finished):
+            prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         completion = CompletionOutput(
             index=0,
             text=state.text,
@@ -126,4 +142,5 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             metrics=state.metrics,
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )

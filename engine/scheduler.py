@@ -39,6 +39,8 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the request's last token, so the step samples a new one
     in_prompt: bool = False  # the chunk computes prompt tokens (a prefill chunk, not a decode step)
+    # prompt_logprobs: the chunk's first this-many tokens each score the prompt token after them.
+    num_prompt_logprobs: int = 0
 
 
 @dataclass(slots=True)
@@ -167,7 +169,8 @@ class Scheduler:
                 continue
             hits: list[KVBlock] = []
             num_hit_tokens = 0
-            if request.request_id not in self.kv.req_blocks:
+            # A prompt's logprobs need its every position computed: no prefix-cache hit (vLLM's rule).
+            if request.request_id not in self.kv.req_blocks and request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(
                 request.num_tokens - request.num_computed_tokens - num_hit_tokens,
@@ -346,6 +349,9 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        scored = 0
+        if request.sampling_params.prompt_logprobs is not None:
+            scored = max(0, min(start + num_new, request.num_prompt_tokens - 1) - start)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
@@ -353,6 +359,7 @@ class Scheduler:
             block_ids=self.kv.block_ids(request.request_id),
             samples=start + num_new == request.num_tokens,
             in_prompt=start < request.num_prompt_tokens,
+            num_prompt_logprobs=scored,
         )
 
     # --- introspection ---------------------------------------------------------------------

@@ -5,7 +5,7 @@ Built once per step from the scheduler's chunks, decodes first (see engine.atten
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.request import PLACEHOLDER_TOKEN
@@ -25,6 +25,8 @@ class StepInput:
     seq_lens: list[int]
     block_tables: list[list[int]]
     logits_indices: list[int]
+    # Rows whose logits score the prompt's next token (prompt_logprobs), after logits_indices' rows.
+    prompt_logprob_indices: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,12 +36,24 @@ class StepInput:
         return cls(**data)
 
 
-def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, list[str]]:
-    """Flatten scheduled chunks; returns the input and the request ids of the sampled rows, in row order."""
+@dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """``count`` rows of a step's prompt-logprob logits, scoring the prompt tokens at positions
+    ``first_position + 1`` onwards of one request."""
+
+    request_id: str
+    first_position: int
+    count: int
+
+
+def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, list[str], list[PromptLogprobRows]]:
+    """Flatten scheduled chunks; returns the input, the request ids of the sampled rows in row
+    order, and the prompt-logprob rows in row order."""
     chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1 or c.start_position == 0)
     num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1 and c.start_position > 0)
     step = StepInput([], [], [], num_decodes, [], [], [], [])
     sampled_ids = []
+    scored: list[PromptLogprobRows] = []
     for chunk in chunks:
         start, n, blocks = chunk.start_position, len(chunk.token_ids), chunk.block_ids
         step.input_ids.extend(chunk.token_ids)
@@ -52,7 +66,11 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, 
         if chunk.samples:
             step.logits_indices.append(len(step.input_ids) - 1)
             sampled_ids.append(chunk.request_id)
-    return step, sampled_ids
+        if chunk.num_prompt_logprobs:
+            first_row = len(step.input_ids) - n
+            step.prompt_logprob_indices.extend(range(first_row, first_row + chunk.num_prompt_logprobs))
+            scored.append(PromptLogprobRows(chunk.request_id, start, chunk.num_prompt_logprobs))
+    return step, sampled_ids, scored
 
 
 @dataclass(slots=True)

@@ -92,6 +92,7 @@ class PrefillServer(EngineReplica):
             ended.failure,
             self.replica_id,
             first_logprob=completion.logprobs[0] if completion.logprobs else None,
+            prompt_logprobs=output.prompt_logprobs,
             **_timings(output.metrics, ended),
         )
         return result, ended

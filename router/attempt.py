@@ -6,7 +6,7 @@
 Decode's deltas are passed on as they come: its first token is out the moment the KV lands, not
 when prefill's reply reaches the router. Prefill's reply only matters before that (a failed
 hand-off ends the attempt now, not when the lease runs out) and for its facts: the first token's
-logprob (a request asking for logprobs holds its first delta for it) and the prompt's cache hits
+logprob and the prompt's (a request asking for either holds its first delta for them), the prompt's cache hits
 (needed by the usage of the last delta).
 """
 
@@ -94,7 +94,10 @@ class Attempt:
         self.deadline = deadline
         self.parent = parent
         self.served_by = served_by
-        self.wants_logprobs = request.sampling.get("logprobs") is not None
+        # The first token's logprob and the prompt's come with prefill's reply: the first delta waits for it.
+        self.wants_logprobs = (
+            request.sampling.get("logprobs") is not None or request.sampling.get("prompt_logprobs") is not None
+        )
         self.prefill_task: asyncio.Task | None = None
         self.prefilled: PrefillResult | None = None
         self.num_yielded = 0
@@ -314,6 +317,8 @@ def _with_prefill_facts(delta: StreamDelta, prefilled: PrefillResult, is_first: 
     changes: dict[str, Any] = {"num_cached_tokens": prefilled.num_cached_tokens}
     if is_first and wants_logprobs and prefilled.first_logprob is not None:
         changes["logprobs"] = [prefilled.first_logprob, *(delta.logprobs or [])]
+    if is_first and prefilled.prompt_logprobs is not None:
+        changes["prompt_logprobs"] = prefilled.prompt_logprobs
     if delta.finish_reason is not None:
         changes["prefill_reply"] = prefilled
     return dataclasses.replace(delta, **changes)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import InvalidRequestError
+from common.sampling_params import SamplingParams
 from common.tokenizer_files import generic_fast_tokenizer
 from router import protocol
 from router.auth import Tenant
@@ -39,10 +40,32 @@ CHECK_IDS_ON_LOOP_MAX = 4096
 
 
 @dataclass(frozen=True)
+class TokenizedPrompt:
+    ids: list[int]
+    text: str | None  # a text prompt as sent (echo), None for token ids and chats
+    sampling: SamplingParams  # max_tokens clipped to the room this prompt leaves in the context
+
+
+@dataclass(frozen=True)
 class Intake:
-    parsed: ParsedRequest  # max_tokens clipped to the context's room
-    prompt_ids: list[int]
-    prompt_text: str | None  # a text prompt as sent (echo), None for token ids and chats
+    parsed: ParsedRequest  # max_tokens clipped to the first prompt's room
+    prompts: list[TokenizedPrompt]  # one; a batch on /v1/completions: each in order
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompts[0].ids
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompts[0].text
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(prompt.ids) for prompt in self.prompts)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.parsed.sampling.n
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -89,11 +112,13 @@ class PromptIntake:
         context_length: Callable[[], Awaitable[int]],
         max_tokens_limit: int | None = None,
         parse_timeout_s: float = 30.0,
+        max_choices: int = 16,
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model = served_model
         self.context_length = context_length
         self.max_tokens_limit = max_tokens_limit
+        self.max_choices = max_choices  # n's limit (router.max_n): each choice is a request on the pools
         self.vocab_size = len(tokenizer)
         # No token is longer than this many characters (a vocabulary entry's raw form is at least as
         # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
@@ -109,14 +134,24 @@ class PromptIntake:
 
     async def take(self, raw: bytes, kind: RequestKind, tenant: Tenant | None) -> Intake:
         parsed = self.within_max_tokens_limit(await self.parse(raw, kind))
+        if parsed.sampling.n > self.max_choices:
+            message = f"n={parsed.sampling.n} is more than this server's limit of {self.max_choices} (router.max_n)"
+            raise protocol.ApiError(400, message, param="n")
         max_model_len = await self.context_length()
-        check_prompt_chars(parsed, max_model_len, self.max_token_chars)
-        prompt_ids, prompt_text = await self.tokenize_off_loop(parsed, tenant)
-        check_length(prompt_ids, max_model_len)
-        # As OpenAI does: no more tokens than the context has room for after the prompt.
-        max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
-        parsed = dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
-        return Intake(parsed, prompt_ids, prompt_text)
+        singles = parsed.one_per_prompt()
+        for one in singles:
+            check_prompt_chars(one, max_model_len, self.max_token_chars)
+        prompts = []
+        for one in singles:
+            prompt_ids, prompt_text = await self.tokenize_off_loop(one, tenant)
+            check_length(prompt_ids, max_model_len)
+            # As OpenAI does: no more tokens than the context has room for after the prompt (chat's
+            # default, "until the context is full", is all of it).
+            max_tokens = min(parsed.sampling.max_tokens, max_model_len - len(prompt_ids))
+            sampling = dataclasses.replace(parsed.sampling, max_tokens=max_tokens)
+            prompts.append(TokenizedPrompt(prompt_ids, prompt_text, sampling))
+        parsed = dataclasses.replace(parsed, sampling=prompts[0].sampling)
+        return Intake(parsed, prompts)
 
     async def parse(self, raw: bytes, kind: RequestKind) -> ParsedRequest:
         if len(raw) > PARSE_IN_PROCESS_MIN_BYTES:

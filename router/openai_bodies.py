@@ -88,6 +88,44 @@ def _envelope(request_id: str, obj: str, model: str, created: int, choices: list
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
 
 
+def completion_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:  # vLLM's field, on the choice
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
+
+
+def chat_choice(
+    index: int, content: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": content}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completions_body(request_id: str, model: str, created: int, choices: list[Any], usage: dict[str, Any]):
+    return {**_envelope(request_id, "text_completion", model, created, choices), "usage": usage}
+
+
+def chat_body(
+    request_id: str,
+    model: str,
+    created: int,
+    choices: list[Any],
+    usage: dict[str, Any],
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
+) -> dict[str, Any]:
+    body = {**_envelope(request_id, "chat.completion", model, created, choices), "usage": usage}
+    if prompt_logprobs is not None:  # vLLM's field, on the response
+        body["prompt_logprobs"] = prompt_logprobs
+    return body
+
+
 def completion_response(
     request_id: str,
     model: str,
@@ -97,8 +135,8 @@ def completion_response(
     usage: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_envelope(request_id, "text_completion", model, created, [choice]), "usage": usage}
+    choice = completion_choice(0, text, finish_reason, logprobs)
+    return completions_body(request_id, model, created, [choice], usage)
 
 
 def completion_chunk(
@@ -108,8 +146,11 @@ def completion_chunk(
     text: str,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    *,
+    index: int = 0,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = completion_choice(index, text, finish_reason, logprobs, prompt_logprobs)
     return _envelope(request_id, "text_completion", model, created, [choice])
 
 
@@ -130,9 +171,7 @@ def chat_response(
     usage: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": content}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_envelope(request_id, "chat.completion", model, created, [choice]), "usage": usage}
+    return chat_body(request_id, model, created, [chat_choice(0, content, finish_reason, logprobs)], usage)
 
 
 def chat_chunk(
@@ -144,6 +183,7 @@ def chat_chunk(
     content: str | None = None,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """The first chunk passes role="assistant", content=""; the last carries only finish_reason."""
     delta: dict[str, str] = {}
@@ -151,8 +191,51 @@ def chat_chunk(
         delta["role"] = role
     if content is not None:
         delta["content"] = content
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(request_id, "chat.completion.chunk", model, created, [choice])
+
+
+def prompt_logprobs_entries(
+    prompt_ids: Sequence[int], scores: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a map from token
+    id (as a string) to its logprob, rank and text: the prompt's token and the top alternatives."""
+    entries: list[dict[str, Any] | None] = [None]
+    for token_id, score in zip(prompt_ids[1:], scores, strict=True):
+        entry: dict[str, Any] = {}
+        for rank, (alternative, value) in enumerate(score.top, start=1):
+            entry[str(alternative)] = {
+                "logprob": _finite(value),
+                "rank": rank,
+                "decoded_token": token_text(alternative),
+            }
+        entry.setdefault(
+            str(token_id),
+            {"logprob": _finite(score.logprob), "rank": score.rank, "decoded_token": token_text(token_id)},
+        )
+        entries.append(entry)
+    return entries
+
+
+def echoed_prompt_logprobs(
+    prompt_ids: Sequence[int], scores: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> dict[str, Any]:
+    """The completions logprobs of an echoed prompt (vLLM's shape): its first token has no score."""
+    body = completion_logprobs(scores, token_text, len(token_text(prompt_ids[0])))
+    first = token_text(prompt_ids[0])
+    return {
+        "tokens": [first, *body["tokens"]],
+        "token_logprobs": [None, *body["token_logprobs"]],
+        "top_logprobs": [None, *body["top_logprobs"]],
+        "text_offset": [0, *body["text_offset"]],
+    }
+
+
+def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects, one after the other (an echoed prompt's, then the answer's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: [*first[key], *second[key]] for key in first}
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -130,9 +130,12 @@ class Orchestrator:
         span_name: str = "pdserve.request",
         attributes: dict[str, Any] | None = None,
         arrival_time: float | None = None,
+        prefill_here: bool = False,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Yield the request's deltas; the last has ``finish_reason`` set. Refusals before the first
-        delta raise (InvalidRequestError, OverloadedError) so the caller can answer with a status.
+        """Yield the request's deltas; the last has ``finish_reason`` set. ``prefill_here``: the decode
+        replica computes the prompt (disaggregated; its prefix cache holds it, router.choices).
+        Refusals before the first delta raise (InvalidRequestError, OverloadedError) so the caller
+        can answer with a status.
         The request's span (``span_name``, ``attributes``) is a child of ``trace_context`` (a
         client's), and the parent of every pool's spans for it. The last delta of a request that
         produced a token carries its ``ttft_breakdown``, its TTFT counted from ``arrival_time``
@@ -151,7 +154,7 @@ class Orchestrator:
         try:
             # aclosing: a client gone mid-stream closes the pool calls now, not at garbage collection.
             async with contextlib.aclosing(
-                self._run(request_id, prompt_token_ids, params, cache_salt, deadline, span, arrival)
+                self._run(request_id, prompt_token_ids, params, cache_salt, deadline, span, arrival, prefill_here)
             ) as deltas:
                 async for delta in deltas:
                     num_output += len(delta.new_token_ids)
@@ -170,9 +173,9 @@ class Orchestrator:
             span.end()
 
     async def _run(
-        self, request_id, prompt_token_ids, params, cache_salt, deadline, span, arrival
+        self, request_id, prompt_token_ids, params, cache_salt, deadline, span, arrival, prefill_here=False
     ) -> AsyncGenerator[StreamDelta, None]:
-        progress = _Progress(prefill_here=self.prefill is not None and self.prefill_pool_down())
+        progress = _Progress(prefill_here=self.prefill is not None and (prefill_here or self.prefill_pool_down()))
         text = ResumedText(self.detokenize, prompt_token_ids, params.skip_special_tokens)
         while True:
             if not progress.sent_ids and self.decode_pool_down():  # Serve would hold the call until one is back
@@ -218,7 +221,8 @@ class Orchestrator:
         attempt_params = params
         if sent_ids:  # the rest of the request: what it may still generate, and must before EOS
             left, held = params.max_tokens - len(sent_ids), max(0, params.min_tokens - len(sent_ids))
-            attempt_params = dataclasses.replace(params, max_tokens=left, min_tokens=held)
+            # The prompt's logprobs went out with the first token: the longer prompt is not scored.
+            attempt_params = dataclasses.replace(params, max_tokens=left, min_tokens=held, prompt_logprobs=None)
         request = ServeRequest(
             request_id=f"{request_id}.{progress.num_calls}",
             prompt_token_ids=prompt_token_ids + sent_ids,

@@ -70,8 +70,9 @@ def check_length(prompt_ids: list[int], max_model_len: int) -> None:
 
 
 def check_bounds(parsed: ParsedRequest, bounds: PromptBounds) -> None:
-    """Every check that needs no tokenizer, in the order the router makes them."""
-    check_prompt_chars(parsed, bounds.max_model_len, bounds.max_token_chars)
-    if parsed.kind == "completion" and isinstance(parsed.prompt, list):
-        check_token_ids(parsed.prompt, bounds.vocab_size)
-        check_length(parsed.prompt, bounds.max_model_len)
+    """Every check that needs no tokenizer, in the order the router makes them (each prompt of a batch)."""
+    for one in parsed.one_per_prompt():
+        check_prompt_chars(one, bounds.max_model_len, bounds.max_token_chars)
+        if one.kind == "completion" and isinstance(one.prompt, list):
+            check_token_ids(one.prompt, bounds.vocab_size)
+            check_length(one.prompt, bounds.max_model_len)

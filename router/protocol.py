@@ -11,6 +11,7 @@ client defines is ignored, as vLLM ignores one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +43,9 @@ __all__ = [  # KNOWN_FIELDS and RequestKind are request_fields', handed on
 ]
 
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
-# OpenAI's chat default is "until the context is full"; a fixed cap keeps a forgotten max_tokens
-# from holding a decode slot and its KV blocks for a whole context length.
-DEFAULT_MAX_TOKENS_CHAT = 256
+# OpenAI's and vLLM's chat default: until the context is full. The intake clips it to the room the
+# prompt leaves (and router.max_tokens_limit, where set, to that limit).
+DEFAULT_MAX_TOKENS_CHAT = 2**31 - 1
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -107,11 +108,12 @@ class ChatTemplateOptions:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated /v1/completions or /v1/chat/completions request."""
+    """A validated /v1/completions or /v1/chat/completions request. Its answer has
+    ``num_prompts * sampling.n`` choices: choice ``i`` samples prompt ``i // n``."""
 
     kind: RequestKind
     model: str
-    prompt: str | list[int] | None  # completions only
+    prompt: str | list[int] | None  # completions only: the first prompt of a batch
     messages: list[dict[str, str]] | None  # chat only; content flattened to a string
     sampling: SamplingParams
     stream: bool = False
@@ -122,9 +124,25 @@ class ParsedRequest:
     cache_salt: str | None = None  # vLLM's field: prompts share cached KV only under one salt
     max_tokens_field: str | None = None  # where the client named max_tokens; None: the default applies
     chat_template: ChatTemplateOptions | None = None  # chat only
+    batch: tuple[str | list[int], ...] = ()  # completions: every prompt, when more than one
+    # The client set prompt_logprobs (vLLM's field in the answer); echo with logprobs scores the
+    # prompt too, for the echoed tokens' logprobs, without it.
+    asks_prompt_logprobs: bool = False
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.batch) or 1
+
+    def one_per_prompt(self) -> list[ParsedRequest]:
+        """The request once per prompt of its batch (itself, when it has one prompt)."""
+        if not self.batch:
+            return [self]
+        return [dataclasses.replace(self, prompt=prompt, batch=()) for prompt in self.batch]
 
 
 MAX_CACHE_SALT_CHARS = 1024
+# A list of prompts on /v1/completions is a batch of this many at most: each is a request on the pools.
+MAX_BATCH_PROMPTS = 256
 
 
 def decode_body(raw: bytes) -> object:
@@ -189,16 +207,19 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
     renames: dict[str, str] = {}  # SamplingParams field -> the wire field it came from, for error params
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    batch: tuple[str | list[int], ...] = ()
     if kind == "completion":
-        prompt = _parse_prompt(body.get("prompt"))
+        prompts = _parse_prompts(body.get("prompt"))
+        prompt = prompts[0]
+        batch = tuple(prompts) if len(prompts) > 1 else ()
         max_tokens_field, default_max_tokens = "max_tokens", DEFAULT_MAX_TOKENS_COMPLETION
         logprobs = body.get("logprobs")  # SamplingParams checks it is null or an int in [0, 20]
         echo = optional_bool(body, "echo")
-        if echo and logprobs is not None:
-            # vLLM answers with the prompt tokens' logprobs too (what lm-eval's loglikelihood tasks
-            # read); logprobs of the generated tokens alone would score every task empty.
-            message = "echo with logprobs asks for the prompt tokens' logprobs, which this server does not compute yet"
-            raise ApiError(400, message, param="echo", code="unsupported_parameter")
+        if echo and _is_token_count(logprobs):
+            # The echoed prompt's tokens come with their logprobs too (vLLM's answer; lm-eval's
+            # loglikelihood tasks read them), with as many alternatives as the generated tokens.
+            asked = kwargs.get("prompt_logprobs")
+            kwargs["prompt_logprobs"] = max(logprobs, asked) if _is_token_count(asked) else logprobs
     else:
         messages = parse_messages(body.get("messages"))
         has_new_name = body.get("max_completion_tokens") is not None
@@ -229,6 +250,8 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         cache_salt,
         max_tokens_field if max_tokens is not None else None,
         chat_template_options(body) if kind == "chat" else None,
+        batch,
+        body.get("prompt_logprobs") is not None,
     )
 
 
@@ -312,15 +335,26 @@ def _is_token_id(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def _parse_prompt(prompt: object) -> str | list[int]:
-    # OpenAI also accepts a batch; a one-element batch is the same request as its element.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _is_token_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _parse_prompts(prompt: object) -> list[str | list[int]]:
+    """One prompt (a string, or a list of token ids) or a batch of them (a list of either)."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise ApiError(400, f"a batch has at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}", param="prompt")
+        for item in prompt:
+            if isinstance(item, list) and not (item and all(_is_token_id(t) for t in item)):
+                raise ApiError(
+                    400, "each prompt of a batch must be a string or a non-empty list of token ids", param="prompt"
+                )
         return list(prompt)
-    message = "prompt must be a string or a non-empty list of token ids; only one prompt per request is supported"
+    message = "prompt must be a string, a non-empty list of token ids, or a list of either (a batch)"
     raise ApiError(400, message, param="prompt")
 
 

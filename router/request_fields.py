@@ -23,7 +23,7 @@ SAMPLING_FIELDS = (
     *("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty"),
     # vLLM extensions
     *("top_k", "min_p", "stop_token_ids", "repetition_penalty", "ignore_eos", "skip_special_tokens"),
-    *("include_stop_str_in_output", "min_tokens", "logit_bias"),
+    *("include_stop_str_in_output", "min_tokens", "logit_bias", "prompt_logprobs"),
 )
 _BOTH = frozenset({"model", "max_tokens", "stream", "stream_options", "cache_salt", "logprobs", *SAMPLING_FIELDS})
 HONOURED: dict[RequestKind, frozenset[str]] = {
@@ -68,7 +68,6 @@ _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _absent,
     "allowed_token_ids": _absent,
     "bad_words": _empty,
-    "prompt_logprobs": _absent,
     "structured_outputs": _absent,
     "guided_json": _absent,
     "guided_regex": _absent,

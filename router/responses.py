@@ -1,28 +1,50 @@
 """An answer's body from its token deltas: one JSON response, or server-sent events (OpenAI's
 chunks, the usage chunk when asked for, ``[DONE]``). An error before the first byte is the
 caller's to answer with a status; one after it travels as an error event, and the stream still
-ends. Closing the deltas (a client gone mid-stream lands there) cancels the request on the pools."""
+ends. Closing the deltas (a client gone mid-stream lands there) cancels the request on the pools.
+
+An answer has one choice per prompt and sample (router.choices): each delta names its choice by
+``index``, and the answer is done when every choice has finished. An echoed prompt comes first in
+its choices' text, and, with ``logprobs``, its tokens' logprobs first in theirs (the prompt's first
+token has none); ``prompt_logprobs`` travel in vLLM's field, on the choice (completions) or the
+response (chat).
+"""
 
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from common.outputs import TokenLogprob
 from common.serving import StreamDelta
 from router import openai_bodies as bodies
 from router.http_edge import error_response, failed
-from router.protocol import ParsedRequest
+from router.intake import Intake
 
 logger = logging.getLogger("pdserve.router")
 
 
 async def chain(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
     yield first
-    if first.finish_reason is not None:
-        return
     async for delta in rest:
         yield delta
+
+
+@dataclass(slots=True)
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob] | None = None
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    started: bool = False  # streaming: its first chunk (role, echoed prompt) is out
+    offset: int = 0  # streaming completions: where its next token's text starts
 
 
 class ResponseWriter:
@@ -34,76 +56,127 @@ class ResponseWriter:
     def _token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def _logprobs(self, parsed: ParsedRequest, delta: StreamDelta, text_offset: int) -> dict | None:
-        if parsed.logprobs is None or not delta.logprobs:
+    def _logprobs(self, intake: Intake, logprobs: list[TokenLogprob], text_offset: int) -> dict | None:
+        if intake.parsed.logprobs is None or not logprobs:
             return None
-        if parsed.kind == "chat":
-            return bodies.chat_logprobs(delta.logprobs, self._token_text)
-        return bodies.completion_logprobs(delta.logprobs, self._token_text, text_offset)
+        if intake.parsed.kind == "chat":
+            return bodies.chat_logprobs(logprobs, self._token_text)
+        return bodies.completion_logprobs(logprobs, self._token_text, text_offset)
 
-    async def collect(self, parsed, response_id, prompt_ids, prompt_text, first, deltas, headers) -> Response:
-        text: list[str] = []
-        logprobs: list = []
-        num_tokens = 0
-        last = first
+    def _echo(self, intake: Intake, index: int) -> str:
+        prompt = intake.prompts[index // intake.parsed.sampling.n]
+        return (prompt.text or self.decode(prompt.ids)) if intake.parsed.echo else ""
+
+    def _echoed_logprobs(self, intake: Intake, index: int, scores: list[TokenLogprob] | None) -> dict | None:
+        """The echoed prompt's logprobs, where the request asked for logprobs with echo."""
+        if not intake.parsed.echo or intake.parsed.logprobs is None or scores is None:
+            return None
+        prompt = intake.prompts[index // intake.parsed.sampling.n]
+        return bodies.echoed_prompt_logprobs(prompt.ids, scores, self._token_text)
+
+    def _prompt_logprobs(self, intake: Intake, index: int, scores: list[TokenLogprob] | None) -> list | None:
+        """vLLM's ``prompt_logprobs`` field, where the request set it."""
+        if not intake.parsed.asks_prompt_logprobs or scores is None:
+            return None
+        prompt = intake.prompts[index // intake.parsed.sampling.n]
+        return bodies.prompt_logprobs_entries(prompt.ids, scores, self._token_text)
+
+    def _usage(self, intake: Intake, choices: dict[int, _Choice], breakdown) -> dict[str, Any]:
+        # A prompt counts once however many choices sample it (OpenAI's and vLLM's usage).
+        n = intake.parsed.sampling.n
+        cached = sum(choice.num_cached_tokens for index, choice in choices.items() if index % n == 0)
+        completion_tokens = sum(choice.num_tokens for choice in choices.values())
+        return bodies.usage(intake.num_prompt_tokens, completion_tokens, cached, breakdown)
+
+    async def collect(self, intake: Intake, response_id: str, first: StreamDelta, deltas, headers) -> Response:
+        choices = {index: _Choice() for index in range(intake.num_choices)}
+        breakdown = None
         async for delta in chain(first, deltas):
-            text.append(delta.new_text)
-            logprobs.extend(delta.logprobs or [])
-            num_tokens += len(delta.new_token_ids)
-            last = delta
-        if last.error is not None:
-            logger.warning("request %s failed: %s", response_id, last.error)
-            return error_response(failed())
+            if delta.error is not None:
+                logger.warning("request %s failed: %s", response_id, delta.error)
+                return error_response(failed())
+            choice = choices[delta.index]
+            choice.text.append(delta.new_text)
+            choice.logprobs.extend(delta.logprobs or [])
+            choice.num_tokens += len(delta.new_token_ids)
+            choice.num_cached_tokens = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:
+                choice.prompt_scores = delta.prompt_logprobs
+            if delta.finish_reason is not None:
+                choice.finish_reason = bodies.openai_finish_reason(delta.finish_reason)
+                breakdown = delta.ttft_breakdown or breakdown
         model, created = self.served_model, int(time.time())
-        usage = bodies.usage(len(prompt_ids), num_tokens, last.num_cached_tokens, last.ttft_breakdown)
-        finish = bodies.openai_finish_reason(last.finish_reason)
-        merged = StreamDelta(response_id, [], "", logprobs=logprobs or None)
-        if parsed.kind == "chat":
-            content = "".join(text)
-            body = bodies.chat_response(
-                response_id, model, created, content, finish, usage, self._logprobs(parsed, merged, 0)
+        usage = self._usage(intake, choices, breakdown)
+        if intake.parsed.kind == "chat":
+            body = bodies.chat_body(
+                response_id,
+                model,
+                created,
+                [
+                    bodies.chat_choice(i, "".join(c.text), c.finish_reason, self._logprobs(intake, c.logprobs, 0))
+                    for i, c in choices.items()
+                ],
+                usage,
+                self._prompt_logprobs(intake, 0, choices[0].prompt_scores),
             )
-        else:
-            prefix = (prompt_text or self.decode(prompt_ids)) if parsed.echo else ""
-            lp = self._logprobs(parsed, merged, len(prefix))
-            body = bodies.completion_response(response_id, model, created, prefix + "".join(text), finish, usage, lp)
-        return JSONResponse(body, headers=headers)
+            return JSONResponse(body, headers=headers)
+        answer = []
+        for i, c in choices.items():
+            prefix = self._echo(intake, i)
+            logprobs = bodies.joined_logprobs(
+                self._echoed_logprobs(intake, i, c.prompt_scores), self._logprobs(intake, c.logprobs, len(prefix))
+            )
+            prompt_logprobs = self._prompt_logprobs(intake, i, c.prompt_scores)
+            answer.append(
+                bodies.completion_choice(i, prefix + "".join(c.text), c.finish_reason, logprobs, prompt_logprobs)
+            )
+        return JSONResponse(bodies.completions_body(response_id, model, created, answer, usage), headers=headers)
 
-    async def sse(self, parsed, response_id, prompt_ids, prompt_text, first, deltas) -> AsyncIterator[bytes]:
+    async def sse(self, intake: Intake, response_id: str, first: StreamDelta, deltas) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first byte travels as an error event, then [DONE]."""
+        parsed = intake.parsed
         model, created, chat = self.served_model, int(time.time()), parsed.kind == "chat"
-        num_tokens, cached, offset = 0, 0, 0
+        choices = {index: _Choice() for index in range(intake.num_choices)}
         breakdown = None
         try:
-            if chat:
-                yield bodies.sse(bodies.chat_chunk(response_id, model, created, role="assistant", content=""))
-            elif parsed.echo:
-                prefix = prompt_text or self.decode(prompt_ids)
-                offset = len(prefix)
-                yield bodies.sse(bodies.completion_chunk(response_id, model, created, prefix))
             async for delta in chain(first, deltas):
-                num_tokens += len(delta.new_token_ids)
-                cached = delta.num_cached_tokens
-                breakdown = delta.ttft_breakdown  # set on the last delta only
                 if delta.error is not None:
                     logger.warning("request %s failed mid-stream: %s", response_id, delta.error)
                     yield bodies.sse_error(failed())
                     break
+                index, choice = delta.index, choices[delta.index]
+                choice.num_tokens += len(delta.new_token_ids)
+                choice.num_cached_tokens = delta.num_cached_tokens
+                breakdown = delta.ttft_breakdown or breakdown  # set on a choice's last delta only
+                if not choice.started:
+                    choice.started = True
+                    opening = self._opening(intake, response_id, model, created, index, delta, choice)
+                    if opening is not None:
+                        yield bodies.sse(opening)
                 finish = bodies.openai_finish_reason(delta.finish_reason)
                 if not delta.new_text and finish is None and not delta.logprobs:
                     continue
-                logprobs = self._logprobs(parsed, delta, offset)
-                offset += len(delta.new_text)
+                logprobs = self._logprobs(intake, delta.logprobs or [], choice.offset)
+                choice.offset += len(delta.new_text)
                 if chat:
                     chunk = bodies.chat_chunk(
-                        response_id, model, created, content=delta.new_text, finish_reason=finish, logprobs=logprobs
+                        response_id,
+                        model,
+                        created,
+                        content=delta.new_text,
+                        finish_reason=finish,
+                        logprobs=logprobs,
+                        index=index,
                     )
                 else:
-                    chunk = bodies.completion_chunk(response_id, model, created, delta.new_text, finish, logprobs)
+                    chunk = bodies.completion_chunk(
+                        response_id, model, created, delta.new_text, finish, logprobs, index=index
+                    )
                 yield bodies.sse(chunk)
-            if parsed.include_usage:
-                usage = bodies.usage(len(prompt_ids), num_tokens, cached, breakdown)
-                yield bodies.sse(bodies.usage_chunk(response_id, model, created, usage, parsed.kind))
+            else:
+                if parsed.include_usage:
+                    usage = self._usage(intake, choices, breakdown)
+                    yield bodies.sse(bodies.usage_chunk(response_id, model, created, usage, parsed.kind))
             yield bodies.SSE_DONE
         except Exception:  # headers are out: the error travels as an event, and the stream still ends
             logger.exception("request %s: stream failed", response_id)
@@ -111,3 +184,31 @@ class ResponseWriter:
             yield bodies.SSE_DONE
         finally:
             await deltas.aclose()  # a client gone mid-stream lands here: cancel on both pools
+
+    def _opening(
+        self,
+        intake: Intake,
+        response_id: str,
+        model: str,
+        created: int,
+        index: int,
+        first: StreamDelta,
+        choice: _Choice,
+    ) -> dict[str, Any] | None:
+        """A choice's first chunk, before its first token's: chat's role; completions' echoed prompt
+        (with its logprobs, and prompt_logprobs, which come with the choice's first delta)."""
+        if intake.parsed.kind == "chat":
+            chunk = bodies.chat_chunk(response_id, model, created, role="assistant", content="", index=index)
+            prompt_logprobs = self._prompt_logprobs(intake, index, first.prompt_logprobs)
+            if prompt_logprobs is not None:
+                chunk["prompt_logprobs"] = prompt_logprobs
+            return chunk
+        prefix = self._echo(intake, index)
+        prompt_logprobs = self._prompt_logprobs(intake, index, first.prompt_logprobs)
+        if not prefix and prompt_logprobs is None:
+            return None
+        choice.offset = len(prefix)  # the answer's text_offsets count the echoed prompt
+        logprobs = self._echoed_logprobs(intake, index, first.prompt_logprobs)
+        return bodies.completion_chunk(
+            response_id, model, created, prefix, None, logprobs, index=index, prompt_logprobs=prompt_logprobs
+        )

@@ -31,6 +31,7 @@ from common.tracing import extract, setup_tracing
 from router import protocol
 from router.admin import AdminRoutes, Resizer
 from router.auth import Admission, KeyRing, Tenant, TenantGate, tenant_salt
+from router.choices import merged_choices
 from router.context_length import POOL_CALL_TIMEOUT_S, ContextLength
 from router.edge_guard import EdgeGuard, EdgePolicy
 from router.genai_attributes import gen_ai_attributes
@@ -46,7 +47,7 @@ from router.http_edge import (
     request_ids,
     unless_client_left,
 )
-from router.http_listener import HttpListener
+from router.http_listener import HttpListener, TlsFiles
 from router.intake import Intake, PromptIntake, load_tokenizer
 from router.loop_lag import LoopLagProbe
 from router.metrics import RouterMetrics
@@ -102,9 +103,14 @@ class RouterServer:
         allowed_origins: list[str] | None = None,
         max_tokens_limit: int | None = None,
         kv_load_failure_policy: str = "recompute",
+        chat_template: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_certfile: str | None = None,
+        access_log: bool = False,
     ) -> None:
         """``planner``: router.planner.PlannerConfig's fields (its SLO planner resizes the pools through
-        ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget)."""
+        ``scaler``; disaggregated mode); ``pool_shards``: each pool's shards per replica (its budget).
+        ``chat_template``: the template's text, replacing the model's (vLLM's --chat-template)."""
         setup_logging()
         setup_tracing(tracing[0], "pdserve-router", tracing[1])
 
@@ -114,6 +120,8 @@ class RouterServer:
         self.mode = mode
         self.served_model = served_model
         self.tokenizer = load_tokenizer(model_dir)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         self.context_length = ContextLength(decode, prefill)
         self.intake = PromptIntake(
             self.tokenizer, served_model, self.context_length.get, max_tokens_limit, parse_timeout_s=body_timeout_s
@@ -169,6 +177,8 @@ class RouterServer:
             max_connections=2 * max_concurrent_requests + 64,
             drain_timeout_s=request_timeout_s,
             header_timeout_s=header_timeout_s,
+            tls=TlsFiles.of(ssl_keyfile, ssl_certfile),
+            access_log=access_log,
         )
         self.listener.start()
 
@@ -249,17 +259,28 @@ class RouterServer:
         )
         self.num_in_flight += 1
         operation = "chat" if parsed.kind == "chat" else "text_completion"
-        run = self.orchestrator.run(
-            internal_id,
-            prompt_ids,
-            parsed.sampling,
-            tenant_salt(tenant, parsed.cache_salt),
-            trace_context=extract(request.headers),  # a client's W3C traceparent: its span is the parent
-            span_name=f"{operation} {self.served_model}",
-            attributes=gen_ai_attributes(operation, self.served_model, parsed, request_id),
-            arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
-        )
-        deltas = self._tracked(run, started, internal_id, request_id, len(prompt_ids), admission)
+        salt = tenant_salt(tenant, parsed.cache_salt)
+        trace_context = extract(request.headers)  # a client's W3C traceparent: its span is the parent
+        n = parsed.sampling.n
+
+        def run_choice(index: int) -> AsyncIterator[StreamDelta]:
+            prompt = intake.prompts[index // n]
+            return self.orchestrator.run(
+                internal_id if intake.num_choices == 1 else f"{internal_id}-{index}",
+                prompt.ids,
+                prompt.sampling.for_choice(index % n),
+                salt,
+                trace_context=trace_context,
+                span_name=f"{operation} {self.served_model}",
+                attributes=gen_ai_attributes(operation, self.served_model, parsed, request_id),
+                arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
+                # A prompt's later choices start once its KV sits in its first choice's decode
+                # replica's prefix cache, where placement sends them: computed there, not moved again.
+                prefill_here=index % n != 0,
+            )
+
+        run = merged_choices(run_choice, len(intake.prompts), n)
+        deltas = self._tracked(run, started, internal_id, request_id, intake.num_prompt_tokens, admission)
         return await self._respond(request, intake, deltas, internal_id, request_id)
 
     async def _admit(
@@ -281,7 +302,9 @@ class RouterServer:
             raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
             intake = await self.intake.take(raw, kind, tenant)
             if admission is not None:
-                self.tenant_gate.charge_tokens(admission, len(intake.prompt_ids) + intake.parsed.sampling.max_tokens)
+                n = intake.parsed.sampling.n
+                most = intake.num_prompt_tokens + n * sum(prompt.sampling.max_tokens for prompt in intake.prompts)
+                self.tenant_gate.charge_tokens(admission, most)
             return tenant, admission, intake
         except BaseException as exc:
             if admission is not None:  # refused or cancelled before any pool work: nothing was used
@@ -318,13 +341,13 @@ class RouterServer:
             await deltas.aclose()
             logger.warning("request %s failed: %s", request_id, first.error)
             return error_response(failed())
-        parsed, prompt_ids, prompt_text = intake.parsed, intake.prompt_ids, intake.prompt_text
+        parsed = intake.parsed
         response_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + internal_id
         if parsed.stream:
-            events = self.responses.sse(parsed, response_id, prompt_ids, prompt_text, first, deltas)
+            events = self.responses.sse(intake, response_id, first, deltas)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            collected = self.responses.collect(parsed, response_id, prompt_ids, prompt_text, first, deltas, {})
+            collected = self.responses.collect(intake, response_id, first, deltas, {})
             return await unless_client_left(request, collected)
         except ClientLeft:
             logger.info("request %s: the client left before its answer", request_id)
@@ -367,8 +390,8 @@ class RouterServer:
                             metrics.tokens_arrived(len(delta.new_token_ids), now - last_token_time)
                         last_token_time = now
                     num_tokens += len(delta.new_token_ids)
-                    if delta.finish_reason is not None:
-                        outcome = "error" if delta.error else "ok"
+                    if delta.finish_reason is not None:  # of one choice: an error in any is the request's
+                        outcome = "error" if delta.error or outcome == "error" else "ok"
                         finish_reason = delta.finish_reason
                         metrics.phases(delta.queue_time_s, delta.prefill_time_s)  # colocated: from the engine
                         if delta.ttft_breakdown is not None:

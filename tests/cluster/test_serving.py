@@ -26,6 +26,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from bench.oracle import hf_prompt_logprobs
 from router.prefix_index import ROUTED_MEMORY_S
 from tests.cluster.serving import MODEL, LocalCluster, get_json, post
 from tests.conftest import PROMPTS, long_text
@@ -294,6 +295,64 @@ def test_one_trace_follows_a_request_from_the_client_through_router_prefill_kv_a
     assert 2 <= transfer["attributes"]["pdserve.kv_windows"] <= len(chunks)
     assert transfer["start_time"] < chunks[-1]
     assert prompt[:40] not in path.read_text()  # prompt text is never recorded
+
+
+def check_choices_and_prompt_logprobs(cluster: LocalCluster, tokenizer, hf_smol, expected, pool: str) -> None:
+    """lm-eval's loglikelihood request and vLLM's prompt_logprobs equal transformers' log-softmax
+    within 1e-4 in float32; n=3 with a seed is three choices, reproducible, streamed with their
+    indices, the later two taking the prompt's blocks from ``pool``'s prefix cache; a batch of
+    prompts answers each as alone; nothing is left held."""
+    api = client(cluster)
+    prompt = " ".join(PROMPTS[:3])  # over 16 tokens: scored across prompt chunks where chunks are 16
+    ids = tokenizer.encode(prompt)
+    reference = hf_prompt_logprobs(hf_smol, ids, 2)
+    loglikelihood = api.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0
+    ).choices[0]
+    assert loglikelihood.text.startswith(prompt)
+    scores = loglikelihood.logprobs.token_logprobs
+    assert len(scores) == len(ids) + 1 and scores[0] is None
+    assert max(abs(got - want) for got, (want, _) in zip(scores[1 : len(ids)], reference, strict=True)) < 1e-4
+    assert loglikelihood.logprobs.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    fielded = api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    entries = fielded.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for token_id, entry, (want, top) in zip(ids[1:], entries[1:], reference, strict=True):
+        assert abs(entry[str(token_id)]["logprob"] - want) < 1e-4
+        assert [int(k) for k, v in sorted(entry.items(), key=lambda kv: kv[1]["rank"]) if v["rank"] <= 2] == top
+
+    before = by_pool(scrape(cluster), "pdserve:prefix_cache_hits_total").get(pool, 0.0)
+    choices_prompt = "Choices, salted apart: " + " ".join(PROMPTS[1:4])
+    params = {"model": MODEL, "prompt": choices_prompt, "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 8}
+    first = api.completions.create(**params)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert len(set(texts)) == 3 and texts == [c.text for c in api.completions.create(**params).choices]
+    streamed: dict[int, str] = {}
+    for chunk in api.completions.create(**params, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == texts
+    full_blocks = len(tokenizer.encode(choices_prompt)) // 16 * 16
+    deadline = time.monotonic() + 15  # the replicas report every second
+    while by_pool(scrape(cluster), "pdserve:prefix_cache_hits_total").get(pool, 0.0) - before < 2 * full_blocks:
+        assert time.monotonic() < deadline, "the later choices did not take the prompt's blocks from the cache"
+        time.sleep(0.5)
+
+    batch = api.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [expected(p) for p in PROMPTS[:2]]
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[3]}], n=2, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [c.message.content for c in chat.choices] == [expected(PROMPTS[3], chat=True)] * 2
+    cluster.wait_idle()
+
+
+def test_disaggregated_choices_and_prompt_logprobs_as_a_vllm_client_asks_them(cluster, tokenizer, hf_smol, expected):
+    cluster.ensure(**TCP_TRACED)  # prefill TP=3, chunks of 16: the prompt is scored over steps and shards
+    check_choices_and_prompt_logprobs(cluster, tokenizer, hf_smol, expected, "decode")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc", "torch", "shm"])  # tcp: as the tests above, shm: below
@@ -685,6 +744,11 @@ def test_colocated_greedy_matches_transformers(cluster, expected):
     assert samples[("pdserve:request_queue_time_seconds_count", MODEL_LABEL)] == 8
     assert samples[("pdserve:time_to_first_token_seconds_count", MODEL_LABEL)] == 8
     assert by_pool(samples, "pdserve:num_requests_running")["colocated"] == 0
+
+
+def test_colocated_choices_and_prompt_logprobs_as_a_vllm_client_asks_them(cluster, tokenizer, hf_smol, expected):
+    cluster.ensure(**COLOCATED)  # two replicas: a prompt's later choices find the one holding its blocks
+    check_choices_and_prompt_logprobs(cluster, tokenizer, hf_smol, expected, "colocated")
 
 
 def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_though_it_is_busier(cluster, tokenizer):

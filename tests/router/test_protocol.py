@@ -120,12 +120,23 @@ def test_wrong_model_is_404():
 
 
 @pytest.mark.parametrize(
-    "prompt", [None, 3, [], ["a", "b"], [[1], [2]], [1, "a"], [-1], [True], [[]], [["a"]], {"text": "x"}, [1.0]]
+    "prompt", [None, 3, [], [1, "a"], [-1], [True], [[]], [["a"]], {"text": "x"}, [1.0], ["a", [-1]]]
 )
 def test_bad_prompt(prompt):
     err = completion_error(prompt=prompt)
     assert (err.status, err.type, err.param) == (400, "invalid_request_error", "prompt")
-    assert "only one prompt per request is supported" in err.message
+    assert "prompt" in err.message
+
+
+def test_a_batch_of_prompts_is_one_request_per_prompt():
+    req = completion(prompt=["a", [5, 6], "b"], n=2)
+    assert (req.num_prompts, req.prompt, req.batch) == (3, "a", ("a", [5, 6], "b"))
+    assert [one.prompt for one in req.one_per_prompt()] == ["a", [5, 6], "b"]
+    assert all(one.batch == () and one.num_prompts == 1 for one in req.one_per_prompt())
+    single = completion(prompt=["only"])
+    assert (single.prompt, single.batch, single.num_prompts) == ("only", (), 1)
+    err = completion_error(prompt=["x"] * (protocol.MAX_BATCH_PROMPTS + 1))
+    assert (err.status, err.param) == (400, "prompt") and str(protocol.MAX_BATCH_PROMPTS) in err.message
 
 
 @pytest.mark.parametrize(
@@ -199,7 +210,10 @@ def test_unsupported_fields_at_noop_values_and_harmless_fields_accepted():
         ({"logprobs": "2"}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "16"}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
@@ -270,8 +284,8 @@ def test_completion_defaults():
 def test_chat_defaults():
     req = chat()
     assert (req.kind, req.prompt, req.messages) == ("chat", None, [{"role": "user", "content": "hi"}])
-    assert req.sampling == SamplingParams(max_tokens=256)
-    assert DEFAULT_MAX_TOKENS_CHAT == 256
+    assert req.sampling == SamplingParams(max_tokens=DEFAULT_MAX_TOKENS_CHAT)
+    assert DEFAULT_MAX_TOKENS_CHAT >= 2**31 - 1  # until the context is full: the intake clips it
     assert (req.stream, req.include_usage, req.logprobs, req.echo, req.user) == (False, False, None, False, None)
 
 
@@ -306,7 +320,8 @@ def test_nulls_mean_defaults():
     nulls = dict.fromkeys(["max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "stream", "echo"])
     assert completion(**nulls).sampling == SamplingParams(max_tokens=16)
     req = chat(max_completion_tokens=None, max_tokens=None, top_logprobs=None, logprobs=None, stream_options=None)
-    assert req.sampling == SamplingParams(max_tokens=256) and req.logprobs is None and not req.include_usage
+    assert req.sampling == SamplingParams(max_tokens=DEFAULT_MAX_TOKENS_CHAT)
+    assert req.logprobs is None and not req.include_usage
 
 
 def test_stop_string_and_null():
@@ -329,13 +344,16 @@ def test_chat_logprobs():
     assert req.logprobs is None and req.sampling.logprobs is None
 
 
-def test_completion_logprobs_zero_and_echo_each_alone_and_refused_together():
+def test_completion_logprobs_with_echo_score_the_prompt_too():
     req = completion(logprobs=0)
-    assert (req.logprobs, req.sampling.logprobs, req.echo) == (0, 0, False)
-    assert completion(echo=True).echo is True
-    # Together they ask for the prompt tokens' logprobs (lm-eval's loglikelihood): refused, not half answered.
-    err = completion_error(logprobs=0, echo=True)
-    assert (err.status, err.param, err.code) == (400, "echo", "unsupported_parameter") and "prompt" in err.message
+    assert (req.logprobs, req.sampling.logprobs, req.echo, req.sampling.prompt_logprobs) == (0, 0, False, None)
+    assert completion(echo=True).sampling.prompt_logprobs is None
+    # Together they ask for the prompt tokens' logprobs (lm-eval's loglikelihood), with as many alternatives.
+    req = completion(logprobs=2, echo=True)
+    assert (req.sampling.logprobs, req.sampling.prompt_logprobs, req.asks_prompt_logprobs) == (2, 2, False)
+    req = completion(logprobs=1, echo=True, prompt_logprobs=4)
+    assert (req.sampling.prompt_logprobs, req.asks_prompt_logprobs) == (4, True)
+    assert chat(prompt_logprobs=0).sampling.prompt_logprobs == 0
 
 
 def test_stream_options():

@@ -82,7 +82,6 @@ ASKING = {
     "truncate_prompt_tokens": 8,
     "allowed_token_ids": [1, 2],
     "bad_words": ["sea"],
-    "prompt_logprobs": 1,
     "structured_outputs": {"json": {"type": "object"}},
     "guided_json": {"type": "object"},
     "guided_regex": "a+",
@@ -159,8 +158,7 @@ def test_refused_fields_at_their_no_op_and_harmless_fields_are_accepted(kind):
         assert parsed.user == "u"
 
 
-def test_lm_eval_s_loglikelihood_request_is_refused_until_prompt_logprobs_exist():
+def test_lm_eval_s_loglikelihood_request_asks_for_the_prompt_s_logprobs():
     # lm-eval's loglikelihood tasks: the prompt echoed with its tokens' logprobs, one token generated.
-    with pytest.raises(ApiError) as refused:
-        _parse("completion", echo=True, logprobs=1, max_tokens=1)
-    assert (refused.value.status, refused.value.param) == (400, "echo") and "prompt" in refused.value.message
+    parsed = _parse("completion", echo=True, logprobs=1, max_tokens=1)
+    assert (parsed.echo, parsed.sampling.logprobs, parsed.sampling.prompt_logprobs) == (True, 1, 1)

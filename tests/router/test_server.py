@@ -20,6 +20,7 @@ from router.admin import AdminRoutes, Resizer
 from router.auth import KeyRing
 from router.context_length import ContextLength
 from router.health import HealthCheck
+from router.intake import Intake, TokenizedPrompt
 from router.metrics import RouterMetrics
 from router.responses import ResponseWriter
 from router.server import RouterServer
@@ -50,6 +51,10 @@ def expected_usage() -> dict:
     return bodies.usage(len(PROMPT), 2, 0, BREAKDOWN)
 
 
+def taken(parsed: protocol.ParsedRequest) -> Intake:
+    return Intake(parsed, [TokenizedPrompt(PROMPT, "hi", parsed.sampling)])
+
+
 def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metric_counts_it_once():
     server = BareServer()
     parsed = protocol.parse_completion_request({"model": "smol", "prompt": "hi", "max_tokens": 2}, "smol")
@@ -57,7 +62,7 @@ def test_a_json_response_s_usage_carries_the_last_delta_s_breakdown_and_the_metr
     async def respond():
         tracked = server._tracked(deltas(), time.monotonic(), "internal-r", "r", len(PROMPT))
         first = await tracked.__anext__()
-        return await server.responses.collect(parsed, "cmpl-r", PROMPT, "hi", first, tracked, {})
+        return await server.responses.collect(taken(parsed), "cmpl-r", first, tracked, {})
 
     body = json.loads(asyncio.run(respond()).body)
     assert body["usage"] == expected_usage()
@@ -96,7 +101,7 @@ def test_the_streamed_usage_chunk_carries_it_when_usage_is_asked_for():
     async def events(parsed) -> list[dict]:
         stream = deltas()
         first = await stream.__anext__()
-        chunks = [c async for c in server.responses.sse(parsed, "cmpl-r", PROMPT, "hi", first, stream)]
+        chunks = [c async for c in server.responses.sse(taken(parsed), "cmpl-r", first, stream)]
         return [json.loads(c[6:]) for c in chunks if c != bodies.SSE_DONE]
 
     *_, tail = asyncio.run(events(asked))
