@@ -10,6 +10,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 from common.errors import ConfigError
+from common.model_source import load_chat_template
 
 
 class EngineRole(str, enum.Enum):
@@ -41,8 +42,17 @@ class ModelConfig:
     # CUDA: decode steps replay CUDA graphs captured at start-up (engine.cuda_graphs) unless true.
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    # A Hub id's revision (a branch, tag or commit; None: main), as vLLM's --revision.
+    revision: str | None = None
+    # The chat template the tokenizer applies instead of the model's own (vLLM's --chat-template):
+    # a file's path or the template inline; held as the template's text once built.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
+        if self.revision == "":
+            raise ConfigError("revision='' is empty; name a branch, tag or commit, or leave it unset (main)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
@@ -66,6 +76,10 @@ class CacheConfig:
     # A float in (0, 1]: that fraction of the memory available after the weights are loaded
     # (per shard); an int > 1: that many bytes per shard.
     kv_cache_memory: float | int = 0.1
+    # vLLM's --gpu-memory-utilization, CUDA only: the fraction of the device's total memory this
+    # shard may hold, weights, activations and KV together; the KV cache gets what the rest leaves
+    # (engine.kv_cache_memory.gpu_kv_budget). Set, it replaces kv_cache_memory.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # CPU only: allocate the KV cache in memory another process on this host can map, so a
     # same-host KV transfer reads blocks in place (one copy instead of two).
@@ -81,9 +95,18 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory={memory} must be a fraction in (0, 1] or an int byte count > 1")
         if isinstance(memory, int) and memory <= 1:
             raise ConfigError(f"kv_cache_memory={memory} bytes is too small; give bytes (> 1) or a fraction")
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
+
+
+def check_gpu_memory_utilization(value: object) -> None:
+    if value is not None and (type(value) not in (int, float) or not 0 < value <= 1):  # type: ignore[operator]
+        raise ConfigError(f"gpu_memory_utilization={value!r} must be a fraction in (0, 1], e.g. 0.9")
 
 
 MIN_STALL_CHUNK_TOKENS = 32  # prompt chunks beside decodes never get smaller: each step must move the prompt
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -110,9 +133,14 @@ class SchedulerConfig:
     # and steps that would need a preemption run in step. One shard, colocated and decode roles
     # only. None: on CUDA, off on CPU (nothing to overlap).
     async_scheduling: bool | None = None
+    # "fcfs": requests in arrival order. "priority" (vLLM's): waiting requests by their priority (lower
+    # first), then arrival; the running request preempted first for blocks is the least urgent.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", EngineRole(self.role))
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling policy {self.policy!r} must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_decode_stall_s is not None and not self.max_decode_stall_s >= 0:
             raise ConfigError(f"max_decode_stall_s={self.max_decode_stall_s} must be >= 0 seconds or None")
         if self.max_num_seqs < 1:

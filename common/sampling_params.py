@@ -26,6 +26,7 @@ MAX_STOP_TOKEN_IDS = 256
 # logit: -100 bans a token in practice, 100 forces it).
 MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGIT_BIAS = 100.0
+MAX_PRIORITY = 2**31 - 1
 
 
 def _is_int(value: object) -> bool:
@@ -75,6 +76,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    # Not a sampling setting: it rides here to reach the engine's scheduler (scheduling policy
+    # "priority": lower first; vLLM's request field).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # n > 1 is the router's: it runs n requests of n = 1, whose prompts share cached KV blocks.
@@ -107,6 +111,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
                 param="prompt_logprobs",
+            )
+        if not _is_int(self.priority) or abs(self.priority) > MAX_PRIORITY:
+            raise InvalidRequestError(
+                f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}",
+                param="priority",
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(

@@ -35,6 +35,7 @@ class LLM:
         max_decode_stall_s: float | None = None,
         overlap_outputs: bool | None = None,
         async_scheduling: bool | None = None,
+        scheduling_policy: str = "fcfs",
         cache_dir: str | None = None,
         compile: bool = True,
         enforce_eager: bool = False,
@@ -74,6 +75,7 @@ class LLM:
                 max_decode_stall_s=max_decode_stall_s,
                 overlap_outputs=overlap_outputs,
                 async_scheduling=async_scheduling,
+                policy=scheduling_policy,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )

@@ -146,6 +146,10 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
         if params.n != 1:  # LLM.generate and the router run each choice as a request (for_choice)
             raise InvalidRequestError(f"the engine runs one sequence per request, got n={params.n}", param="n")
+        if params.priority and self.config.scheduler.policy != "priority":
+            raise InvalidRequestError(
+                "priority needs the priority scheduling policy (scheduling_policy: priority)", param="priority"
+            )
         # A push still ending (its request preempted mid-prompt) keeps its id: the shards key it so.
         held = self.handoff.holds_id(request_id)
         if request_id in self.outputs.states or request_id in self.scheduler.requests or held:

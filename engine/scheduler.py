@@ -79,7 +79,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def reserve(self, request: Request) -> list[int] | None:
         """Decode role: hold blocks for a prompt whose KV will be pushed in; None if they do not fit."""
@@ -107,7 +107,7 @@ class Scheduler:
             self._finish(request, stop)
         else:
             request.status = RequestStatus.WAITING
-            self.waiting.append(request)
+            self._enqueue(request)
         return request
 
     # --- the step --------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class Scheduler:
                 out.blocked = True
                 break
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
+                victim = self._pop_victim(index)
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
@@ -329,7 +329,28 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, first=True)
+
+    def _enqueue(self, request: Request, first: bool = False) -> None:
+        """Into the waiting queue: at its end (``first``: its front, a preempted request) under fcfs;
+        by (priority, arrival) under the priority policy."""
+        if self.config.policy == "priority":
+            key = _urgency(request)
+            position = next((i for i, other in enumerate(self.waiting) if _urgency(other) > key), len(self.waiting))
+            self.waiting.insert(position, request)
+        elif first:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _pop_victim(self, scheduled: int) -> Request:
+        """The running request to preempt for blocks, among those the step has not scheduled yet
+        (from ``scheduled`` on): the latest admitted under fcfs, the least urgent under priority."""
+        if self.config.policy != "priority":
+            return self.running.pop()
+        victim = max(self.running[scheduled:], key=_urgency)
+        self.running.remove(victim)
+        return victim
 
     # --- helpers ---------------------------------------------------------------------------
     def num_decoding(self) -> int:
@@ -380,6 +401,11 @@ class Scheduler:
         yield from self.running
         yield from self.waiting
         yield from self.reserved.values()
+
+
+def _urgency(request: Request) -> tuple[int, float]:
+    """Sort key under the priority policy: lower runs first; ties by arrival."""
+    return request.sampling_params.priority, request.arrival_time
 
 
 def _in_prompt(request: Request) -> bool:

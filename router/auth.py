@@ -23,7 +23,7 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,8 +89,10 @@ class KeyRing:
         return bool(self._tenants or self._admin)
 
     @classmethod
-    def load(cls, path: str | None, environ: Mapping[str, str] | None = None) -> KeyRing:
-        """From the file at ``path`` (None: none) and the environment; ConfigError names what is wrong."""
+    def load(cls, path: str | None, environ: Mapping[str, str] | None = None, api_keys: Sequence[str] = ()) -> KeyRing:
+        """From the file at ``path`` (None: none), the environment and ``api_keys`` (the cluster config's
+        ``api_keys``, vLLM's --api-key: tenant "default", as the environment's); ConfigError names
+        what is wrong."""
         environ = os.environ if environ is None else environ
         tenants: dict[bytes, Tenant] = {}
         admin: set[bytes] = set()
@@ -104,6 +106,7 @@ class KeyRing:
                     _add(tenants, digest(key), tenant, path)
             admin |= {digest(k) for k in _keys(spec.get("admin_keys") or [], "admin_keys", path)}
         env_keys = _keys([k for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()], "keys", API_KEYS_ENV)
+        env_keys += _keys(list(api_keys), "keys", "api_keys (--api-key)")
         if env_keys and any(t.name == DEFAULT_TENANT for t in tenants.values()):
             raise ConfigError(
                 f"{path}: tenant {DEFAULT_TENANT!r} is {API_KEYS_ENV}'s; name the file's tenant otherwise"

@@ -13,8 +13,9 @@ SO_REUSEADDR and gives a port up for good after one failed bind; this socket tak
   connections are refused.)
 
 Binding happens in the constructor, so a port that cannot be had fails the replica at start, with
-the reason. ``stop`` closes the listening socket first (new connections go to the other replicas
-on the port), then lets responses in flight finish within its timeout.
+the reason; so does reading the TLS key and certificate (HTTPS, ``TlsFiles``). ``stop`` closes the
+listening socket first (new connections go to the other replicas on the port), then lets
+responses in flight finish within its timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -76,6 +78,18 @@ def with_header_deadline(protocol_class: type[asyncio.Protocol], timeout_s: floa
     return HeaderDeadline
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM key and certificate the listener serves HTTPS with (uvicorn's ssl_keyfile/ssl_certfile)."""
+
+    keyfile: str
+    certfile: str
+
+    @classmethod
+    def of(cls, keyfile: str | None, certfile: str | None) -> TlsFiles | None:
+        return cls(keyfile, certfile) if keyfile is not None and certfile is not None else None
+
+
 class _ReplicaServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -98,20 +112,31 @@ class HttpListener:
         keep_alive_s: float = 5.0,
         drain_timeout_s: float = 600.0,
         header_timeout_s: float = 10.0,
+        tls: TlsFiles | None = None,
+        access_log: bool = False,
     ) -> None:
         self.socket = listening_socket(host, port)
         self.host, self.port = host, self.socket.getsockname()[1]
+        self.scheme = "https" if tls is not None else "http"
         config = uvicorn.Config(
             app,
             lifespan="off",
-            access_log=False,
+            access_log=access_log,
             log_config=None,
             limit_concurrency=max_connections,
             timeout_keep_alive=int(keep_alive_s),
             timeout_graceful_shutdown=int(drain_timeout_s),
             server_header=False,
             http=with_header_deadline(AutoHTTPProtocol, header_timeout_s),
+            ssl_keyfile=tls.keyfile if tls is not None else None,
+            ssl_certfile=tls.certfile if tls is not None else None,
         )
+        if access_log:
+            # uvicorn writes a line only where its access logger has a handler; its Config turns
+            # propagation off, process-wide, when a listener is made without the log.
+            logging.getLogger("uvicorn.access").propagate = True
+        if tls is not None:
+            _load_tls(config, tls, self.socket)
         self._server = _ReplicaServer(config)
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -121,7 +146,7 @@ class HttpListener:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self.socket]))
             self._task.add_done_callback(self._closed)
-            logger.info("serving HTTP on %s:%d", self.host, self.port)
+            logger.info("serving %s on %s:%d", self.scheme.upper(), self.host, self.port)
 
     def _closed(self, task: asyncio.Task) -> None:
         # A server that ended on its own must not keep a listening socket: with SO_REUSEPORT the
@@ -158,3 +183,16 @@ class HttpListener:
         with contextlib.suppress(Exception):
             await self._task
         self.socket.close()
+
+
+def _load_tls(config: uvicorn.Config, tls: TlsFiles, sock: socket.socket) -> None:
+    """The key and certificate read now (uvicorn would read them when it starts serving, where a
+    bad file ends the server instead of failing the constructor with the reason)."""
+    try:
+        config.load()
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        sock.close()
+        raise ValueError(
+            f"cannot serve HTTPS with router.ssl_keyfile={tls.keyfile!r} and router.ssl_certfile={tls.certfile!r}: "
+            f"{exc}"
+        ) from exc

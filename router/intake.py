@@ -16,9 +16,10 @@ leaves mid-tokenizing leaves the job running, and it keeps its place in admissio
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from common.errors import InvalidRequestError
@@ -100,8 +101,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], options: ChatTem
     return list(ids)
 
 
-def decode_and_parse(raw: bytes, kind: RequestKind, served_model: str) -> ParsedRequest:
-    return protocol.parse_request(protocol.decode_body(raw), served_model, kind)
+def decode_and_parse(
+    raw: bytes, kind: RequestKind, served_model: str, defaults: Mapping[str, Any] = MappingProxyType({})
+) -> ParsedRequest:
+    return protocol.parse_request(protocol.decode_body(raw), served_model, kind, defaults)
 
 
 class PromptIntake:
@@ -113,12 +116,16 @@ class PromptIntake:
         max_tokens_limit: int | None = None,
         parse_timeout_s: float = 30.0,
         max_choices: int = 16,
+        sampling_defaults: Mapping[str, Any] = MappingProxyType({}),
+        priority_scheduling: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model = served_model
         self.context_length = context_length
         self.max_tokens_limit = max_tokens_limit
         self.max_choices = max_choices  # n's limit (router.max_n): each choice is a request on the pools
+        self.sampling_defaults = sampling_defaults  # the model's generation_config.json, under the request's
+        self.priority_scheduling = priority_scheduling  # the pools' scheduling_policy is "priority"
         self.vocab_size = len(tokenizer)
         # No token is longer than this many characters (a vocabulary entry's raw form is at least as
         # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
@@ -134,6 +141,11 @@ class PromptIntake:
 
     async def take(self, raw: bytes, kind: RequestKind, tenant: Tenant | None) -> Intake:
         parsed = self.within_max_tokens_limit(await self.parse(raw, kind))
+        if parsed.sampling.priority and not self.priority_scheduling:
+            message = "priority is not supported by this server; it schedules first come, first served"
+            raise protocol.ApiError(
+                400, message + " (scheduling_policy: priority)", param="priority", code="unsupported_parameter"
+            )
         if parsed.sampling.n > self.max_choices:
             message = f"n={parsed.sampling.n} is more than this server's limit of {self.max_choices} (router.max_n)"
             raise protocol.ApiError(400, message, param="n")
@@ -159,9 +171,9 @@ class PromptIntake:
             bounds = PromptBounds(await self.context_length(), self.max_token_chars, self.vocab_size)
             raw = await self.parse_process.reduce(raw, kind, self.served_model, bounds)
         if len(raw) > PARSE_ON_LOOP_MAX_BYTES:
-            work = functools.partial(decode_and_parse, raw, kind, self.served_model)
+            work = functools.partial(decode_and_parse, raw, kind, self.served_model, self.sampling_defaults)
             return await asyncio.get_running_loop().run_in_executor(self.parse_thread, work)
-        return decode_and_parse(raw, kind, self.served_model)
+        return decode_and_parse(raw, kind, self.served_model, self.sampling_defaults)
 
     def within_max_tokens_limit(self, parsed: ParsedRequest) -> ParsedRequest:
         """router.max_tokens_limit: more asked is refused, naming the field; a default is cut to it."""

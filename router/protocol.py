@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from common.errors import InvalidRequestError, OverloadedError
@@ -141,6 +143,7 @@ class ParsedRequest:
 
 
 MAX_CACHE_SALT_CHARS = 1024
+_NONE: Mapping[str, Any] = MappingProxyType({})
 # A list of prompts on /v1/completions is a batch of this many at most: each is a request on the pools.
 MAX_BATCH_PROMPTS = 256
 
@@ -167,17 +170,21 @@ def decode_body(raw: bytes) -> object:
     return body
 
 
-def parse_completion_request(body: object, served_model: str) -> ParsedRequest:
-    return _parse(body, served_model, "completion")
+def parse_completion_request(body: object, served_model: str, defaults: Mapping[str, Any] = _NONE) -> ParsedRequest:
+    return _parse(body, served_model, "completion", defaults)
 
 
-def parse_chat_request(body: object, served_model: str) -> ParsedRequest:
-    return _parse(body, served_model, "chat")
+def parse_chat_request(body: object, served_model: str, defaults: Mapping[str, Any] = _NONE) -> ParsedRequest:
+    return _parse(body, served_model, "chat", defaults)
 
 
-def parse_request(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
-    """The parse for ``kind``'s route: /v1/chat/completions ("chat") or /v1/completions."""
-    return parse_chat_request(body, served_model) if kind == "chat" else parse_completion_request(body, served_model)
+def parse_request(
+    body: object, served_model: str, kind: RequestKind, defaults: Mapping[str, Any] = _NONE
+) -> ParsedRequest:
+    """The parse for ``kind``'s route: /v1/chat/completions ("chat") or /v1/completions.
+    ``defaults``: sampling fields' values where the request leaves them out or null (the model's
+    generation_config.json: common.generation_config)."""
+    return _parse(body, served_model, kind, defaults)
 
 
 def _check_model_and_fields(body: object, served_model: str, kind: RequestKind) -> str:
@@ -193,7 +200,7 @@ def _check_model_and_fields(body: object, served_model: str, kind: RequestKind) 
     return model
 
 
-def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
+def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping[str, Any]) -> ParsedRequest:
     model = _check_model_and_fields(body, served_model, kind)
     assert isinstance(body, dict)
     stream = optional_bool(body, "stream")
@@ -203,7 +210,8 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         raise ApiError(400, f"user must be a string, got {user!r}", param="user")
     cache_salt = _cache_salt(body.get("cache_salt"))
 
-    kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    kwargs = {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS}
+    kwargs.update({name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None})
     renames: dict[str, str] = {}  # SamplingParams field -> the wire field it came from, for error params
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
@@ -229,6 +237,7 @@ def _parse(body: object, served_model: str, kind: RequestKind) -> ParsedRequest:
         renames["logprobs"] = "top_logprobs"
         echo = False  # a chat request's echo is refused (request_fields)
     max_tokens = body.get(max_tokens_field)
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     renames["max_tokens"] = max_tokens_field
     kwargs["logprobs"] = logprobs

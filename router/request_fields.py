@@ -24,6 +24,8 @@ SAMPLING_FIELDS = (
     # vLLM extensions
     *("top_k", "min_p", "stop_token_ids", "repetition_penalty", "ignore_eos", "skip_special_tokens"),
     *("include_stop_str_in_output", "min_tokens", "logit_bias", "prompt_logprobs"),
+    # Not sampling, but carried with it to the engine; refused unless the pools schedule by it.
+    "priority",
 )
 _BOTH = frozenset({"model", "max_tokens", "stream", "stream_options", "cache_salt", "logprobs", *SAMPLING_FIELDS})
 HONOURED: dict[RequestKind, frozenset[str]] = {
@@ -76,7 +78,6 @@ _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": _absent,
     "guided_whitespace_pattern": _absent,
     "structural_tag": _absent,
-    "priority": _is(0),
     "logits_processors": _empty,
     "return_tokens_as_token_ids": _is(False),
     "return_token_ids": _is(False),

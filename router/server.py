@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.errors import OverloadedError
+from common.generation_config import sampling_defaults
 from common.logs import setup_logging
 from common.serving import StreamDelta
 from common.tracing import extract, setup_tracing
@@ -102,6 +103,8 @@ class RouterServer:
         allowed_hosts: list[str] | None = None,
         allowed_origins: list[str] | None = None,
         max_tokens_limit: int | None = None,
+        max_n: int = 16,
+        priority_scheduling: bool = False,
         kv_load_failure_policy: str = "recompute",
         chat_template: str | None = None,
         ssl_keyfile: str | None = None,
@@ -124,7 +127,14 @@ class RouterServer:
             self.tokenizer.chat_template = chat_template
         self.context_length = ContextLength(decode, prefill)
         self.intake = PromptIntake(
-            self.tokenizer, served_model, self.context_length.get, max_tokens_limit, parse_timeout_s=body_timeout_s
+            self.tokenizer,
+            served_model,
+            self.context_length.get,
+            max_tokens_limit,
+            parse_timeout_s=body_timeout_s,
+            max_choices=max_n,
+            sampling_defaults=sampling_defaults(model_dir),
+            priority_scheduling=priority_scheduling,
         )
         self.intake.start()
         self.responses = ResponseWriter(served_model, self.tokenizer.decode)

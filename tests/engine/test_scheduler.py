@@ -263,3 +263,39 @@ def test_a_decode_ready_request_is_admitted_past_a_prompt_held_back_by_the_cap()
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("local", 8), ("remote", 1)]
     run_all(s)
     assert s.kv.num_held_blocks() == 0
+
+
+# --- the priority policy -------------------------------------------------------------------
+def test_priority_policy_admits_the_most_urgent_waiting_request_first():
+    s = make({"policy": "priority", "max_num_seqs": 1})
+    for request_id, priority in (("late-low", 5), ("urgent", -2), ("mid", 0), ("urgent-2", -2)):
+        s.add_request(request(request_id, 4, priority=priority))
+    order = []
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        order.extend(c.request_id for c in out.chunks if c.start_position == 0)
+    assert order == ["urgent", "urgent-2", "mid", "late-low"]  # ties by arrival
+
+
+def test_fcfs_ignores_priority_order_and_priority_policy_preempts_the_least_urgent():
+    fcfs = make({"max_num_seqs": 1})
+    for request_id, priority in (("a", 5), ("b", -2)):
+        fcfs.add_request(request(request_id, 4, priority=priority))
+    out, _ = run_step(fcfs)
+    assert [c.request_id for c in out.chunks] == ["a"]
+
+    # Two running requests outgrow 4 blocks of 4 tokens: the less urgent one is preempted, though
+    # it was admitted first (fcfs would preempt the one admitted last).
+    s = make({"policy": "priority"}, num_blocks=4)
+    s.add_request(request("background", 6, max_tokens=8, priority=9))
+    s.add_request(request("interactive", 6, max_tokens=8, priority=0))
+    preempted = []
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        preempted.extend(out.preempted_request_ids)
+    assert preempted and set(preempted) == {"background"}
+
+
+def test_the_priority_policy_is_a_known_name():
+    with pytest.raises(Exception, match="scheduling policy"):
+        SchedulerConfig(policy="lottery")

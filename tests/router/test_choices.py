@@ -107,7 +107,9 @@ def _intake(body: dict, prompts: list[list[int]]) -> Intake:
     kind = "chat" if "messages" in body else "completion"
     parsed = protocol.parse_request({"model": MODEL, **body}, MODEL, kind)
     texts = body.get("prompt") if isinstance(body.get("prompt"), list) else [body.get("prompt")]
-    return Intake(parsed, [TokenizedPrompt(ids, text, parsed.sampling) for ids, text in zip(prompts, texts)])
+    return Intake(
+        parsed, [TokenizedPrompt(ids, text, parsed.sampling) for ids, text in zip(prompts, texts, strict=True)]
+    )
 
 
 def _writer() -> ResponseWriter:

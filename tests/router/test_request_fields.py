@@ -90,7 +90,6 @@ ASKING = {
     "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
     "structural_tag": "{}",
-    "priority": 1,
     "logits_processors": ["module:factory"],
     "return_tokens_as_token_ids": True,
     "return_token_ids": True,

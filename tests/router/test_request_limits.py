@@ -264,3 +264,61 @@ def test_a_large_body_and_a_long_list_of_token_ids_are_checked_off_the_event_loo
     serve(scenario)
     assert threads[0].startswith("pdserve-parse") and all(t == "MainThread" for t in threads[1:]), threads
     assert [t.split("_")[0] for t in checked] == ["pdserve-parse", "pdserve-parse", "MainThread"], checked
+
+
+def test_a_batch_clips_each_prompt_s_max_tokens_and_chat_s_default_is_the_context_s_rest(serve):
+    async def scenario(server, request):
+        batch = {"model": "smol", "prompt": [[1, 2, 3], [1, 2, 3, 4]], "max_tokens": 5, "n": 2}
+        status, _, answer = await request("/v1/completions", batch)
+        assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+        assert answer["usage"]["prompt_tokens"] == 7  # each prompt once, whatever n
+        status, _, answer = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3]})
+        assert status == 200
+
+    pool = serve(scenario)
+    batch, plain = pool.sent[:4], pool.sent[4]
+    assert sorted(r.sampling["max_tokens"] for r in batch) == [4, 4, 5, 5]  # prompt 2 leaves room for 4
+    assert plain.sampling["max_tokens"] == 5  # OpenAI's completions default of 16, clipped to the room
+
+
+def test_chat_s_default_max_tokens_is_the_context_s_rest(serve, monkeypatch):
+    monkeypatch.setattr(SmallPool, "remote", _reporting(40))
+
+    async def scenario(server, request):
+        chat = {"model": "smol", "messages": [{"role": "user", "content": "hi"}]}
+        status, _, _ = await request("/v1/chat/completions", chat)
+        assert status == 200
+
+    (sent,) = serve(scenario).sent
+    assert sent.sampling["max_tokens"] == 40 - len(sent.prompt_token_ids)  # OpenAI's "until the context is full"
+
+
+def _reporting(context: int):
+    def remote(self, request: ServeRequest | None = None):
+        if request is None:
+            return FakeResponse({"max_model_len": context})
+        return Pool.remote(self, request)
+
+    return remote
+
+
+def test_n_past_router_max_n_and_priority_without_the_priority_policy_are_refused_by_name(serve):
+    async def scenario(server, request):
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "n": 3})
+        assert (status, error["error"]["param"]) == (400, "n") and "router.max_n" in error["error"]["message"]
+        status, _, error = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "priority": 2})
+        assert (status, error["error"]["param"], error["error"]["code"]) == (400, "priority", "unsupported_parameter")
+        status, _, _ = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "priority": 0})
+        assert status == 200
+
+    pool = serve(scenario, max_n=2)
+    assert len(pool.sent) == 1
+
+
+def test_with_the_priority_policy_a_request_s_priority_reaches_the_pool(serve):
+    async def scenario(server, request):
+        status, _, _ = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "priority": -3})
+        assert status == 200
+
+    pool = serve(scenario, priority_scheduling=True)
+    assert [r.sampling["priority"] for r in pool.sent] == [-3]
