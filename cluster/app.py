@@ -151,8 +151,22 @@ def free_port(host: str) -> int:
 def resolved(config: ClusterConfig) -> ClusterConfig:
     """What ``serve`` deploys and records: ``mode: auto``, ``dtype: auto``, the pools' cores and port 0
     decided once."""
+    check_memory_flags(config)
     config = with_resolved_mode(with_resolved_dtype(config))
     return with_resolved_port(with_resolved_kv_budget(with_resolved_cores(config)))
+
+
+def check_memory_flags(config: ClusterConfig) -> None:
+    """gpu_memory_utilization on a local CPU cluster is refused here, before Ray starts (each shard
+    would refuse it at load: engine.model_runner)."""
+    if config.gpu_memory_utilization is None or config.ray_address:
+        return
+    if pick_device(config.device).type == "cpu":
+        raise ConfigError(
+            f"--gpu-memory-utilization {config.gpu_memory_utilization} sizes a GPU's memory (vLLM's meaning) "
+            "and this host has no CUDA device: size the KV cache with --kv-cache-memory (a fraction of the "
+            "free host memory, or bytes per shard), or leave both out for the default"
+        )
 
 
 # Below this many cores a pool, a local CPU cluster in ``mode: auto`` runs colocated. Splitting two
@@ -173,13 +187,15 @@ def with_resolved_mode(config: ClusterConfig, num_host_cores: int | None = None)
     its reason."""
     if config.mode != "auto":
         return config
+    # A pool counts as configured by what it sets beyond the cluster-wide TP degree (vLLM's -tp).
+    default = PoolConfig(tensor_parallel_size=config.tensor_parallel_size or 1)
     asks_disagg = (
-        config.prefill != PoolConfig()
-        or config.decode != PoolConfig()
+        config.prefill != default
+        or config.decode != default
         or not config.router.conditional_disaggregation
         or config.planner.enabled
     )
-    asks_colocated = config.colocated != PoolConfig()
+    asks_colocated = config.colocated != default
     local_cpu = not config.ray_address and pick_device(config.device).type == "cpu"
     total = (num_host_cores or len(host_cores())) if local_cpu else None
     if asks_disagg:
@@ -392,11 +408,11 @@ def _version(server: type, args: tuple, options: dict) -> str:
 def load_keyring(config: ClusterConfig) -> KeyRing:
     """The API keys of ``api_keys_file`` and the environment. No key on a host other than loopback
     is refused: anyone who reaches the port would use the cluster (and see its status)."""
-    keyring = KeyRing.load(config.api_keys_file)
+    keyring = KeyRing.load(config.api_keys_file, api_keys=config.api_keys or ())
     if not keyring.enabled and not is_loopback(config.host):
         raise ConfigError(
-            f"host={config.host!r} is not a loopback address and no API key is configured: set api_keys_file "
-            f"or {API_KEYS_ENV} (and {ADMIN_KEY_ENV} for /pdserve/status), or serve on 127.0.0.1"
+            f"host={config.host!r} is not a loopback address and no API key is configured: set --api-key, "
+            f"api_keys_file or {API_KEYS_ENV} (and {ADMIN_KEY_ENV} for /pdserve/status), or serve on 127.0.0.1"
         )
     return keyring
 
@@ -413,7 +429,8 @@ def build_app(
     ``scaler``: how the router resizes the pools (``scaling.scale`` redeploys the recorded config;
     a declarative deploy passes ``scaling.scale_declared``)."""
     keyring = keyring if keyring is not None else load_keyring(config)
-    model_dir = model_dir if model_dir is not None else str(resolve_model_dir(config.model, None))
+    # Resolved once, here: every pool replica and the router load this one directory.
+    model_dir = model_dir if model_dir is not None else str(resolve_model_dir(config.model, None, config.revision))
     if config.disaggregated:
         prefill = _pool_deployment(config, "prefill", model_dir)
         decode = _pool_deployment(config, "decode", model_dir)
@@ -455,7 +472,9 @@ def build_app(
             pool: config.pool(pool).cores or config.pool(pool).tensor_parallel_size for pool in config.pools()
         },
     }
-    version = _version(RouterServer, (config.pools(), router_args, planner, config.router), router_options)
+    version = _version(
+        RouterServer, (config.pools(), router_args, planner, config.router, config.chat_template), router_options
+    )
     router = _versioned(serve.deployment(RouterServer).options(**router_options), version)
     deadlines = {
         "header_timeout_s": config.router.header_timeout_s,
@@ -464,9 +483,17 @@ def build_app(
         "allowed_hosts": config.router.allowed_hosts,
         "allowed_origins": config.router.allowed_origins,
         "max_tokens_limit": config.router.max_tokens_limit,
+        "max_n": config.router.max_n,
+        "priority_scheduling": config.scheduling_policy == "priority",
         "kv_load_failure_policy": config.router.kv_load_failure_policy,
     }
-    return router.bind(decode, prefill, *router_args, scaler=scaler, **planner, **deadlines)
+    listener = {
+        "chat_template": config.chat_template,
+        "ssl_keyfile": config.router.ssl_keyfile,
+        "ssl_certfile": config.router.ssl_certfile,
+        "access_log": config.router.access_log,
+    }
+    return router.bind(decode, prefill, *router_args, scaler=scaler, **planner, **deadlines, **listener)
 
 
 def deploy(config: ClusterConfig, blocking_ready: bool = True) -> float:
@@ -503,7 +530,7 @@ def run_app(
         serve.run(app, name=APP_NAME, route_prefix=None, blocking=False)
     else:  # Serve's own wait has no end: a replica it cannot place would hold the caller forever
         serve._run(app, name=APP_NAME, route_prefix=None, _blocking=False)
-    internal_kv._internal_kv_put(_CONFIG_KEY, json.dumps(config.to_dict()), namespace=APP_NAME)
+    internal_kv._internal_kv_put(_CONFIG_KEY, json.dumps(config.redacted_dict()), namespace=APP_NAME)
     if wait_s is not None:  # what serve.run's wait does, bounded (TimeoutError past it)
         from ray.serve.context import _get_global_client
 

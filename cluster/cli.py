@@ -15,7 +15,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from engine.model_loader import resolve_model_dir
 
     start = time.monotonic()
-    path = resolve_model_dir(args.model, args.cache_dir)
+    path = resolve_model_dir(args.model, args.cache_dir, args.revision)
     print(f"{path}  ({time.monotonic() - start:.1f} s)")
     return 0
 
@@ -26,7 +26,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p, top_k=args.top_k
     )
-    with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype) as llm:
+    with LLM(
+        args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        revision=args.revision,
+        chat_template=args.chat_template,
+    ) as llm:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
@@ -54,20 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     prepare = sub.add_parser("prepare-model", help="convert a model (default: SmolLM2-135M-Instruct) once")
-    prepare.add_argument("--model", default=None, help="HF directory or .gguf file; default model if omitted")
+    prepare.add_argument(
+        "--model", default=None, help="HF directory, .gguf file or Hub id (org/name); default model if omitted"
+    )
+    prepare.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     prepare.add_argument("--cache-dir", default=None)
     prepare.set_defaults(func=_cmd_prepare)
 
     generate = sub.add_parser("generate", help="offline generation with the engine (no cluster)")
     generate.add_argument("prompts", nargs="+")
-    generate.add_argument("--model", default=None)
+    generate.add_argument("--model", default=None, help="HF directory, .gguf file or Hub id (org/name)")
+    generate.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    generate.add_argument("--chat-template", help="with --chat: a template file, or the template inline")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    generate.add_argument("--tensor-parallel-size", "-tp", "--tp", type=int, default=1, metavar="N")
     generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
     generate.set_defaults(func=_cmd_generate)

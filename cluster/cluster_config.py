@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from common.config import (
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     EngineRole,
@@ -25,8 +26,10 @@ from common.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_gpu_memory_utilization,
 )
 from common.errors import ConfigError
+from common.model_source import is_hub_id, load_chat_template
 from common.serving import KV_LOAD_FAILURE_POLICIES
 from common.tracing import check_tracing
 from router.planner import PlannerConfig
@@ -156,6 +159,8 @@ class RouterConfig:
     # The most tokens a request may ask for (400 naming max_tokens beyond it), and what one that
     # names none gets. None: the context's rest, as vLLM.
     max_tokens_limit: int | None = None
+    # The most choices one request may ask for (n): each is a request on the pools.
+    max_n: int = 16
     max_retries: int = 1  # prefill retries / decode resumes per request
     # A request whose KV hand-off failed (a chunk refused as corrupt or forged, a lease run out, a
     # transport error): "recompute" retries it with the prompt computed on its decode replica (no
@@ -172,9 +177,23 @@ class RouterConfig:
     # Ray custom resources the router replica asks for, e.g. {"ingress": 0.01}: keeps it on the node
     # that clients reach (it listens on that node's address; it takes no CPU of the pools').
     ray_resources: dict[str, float] | None = None
+    # HTTPS on the router's port (uvicorn's, as vLLM's --ssl-keyfile/--ssl-certfile): both PEM
+    # files, read by the router replica where it starts. None: plain HTTP.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    access_log: bool = False  # uvicorn's access log, a line per request, in the router's log (vLLM's default is on)
 
     def __post_init__(self) -> None:
         _check_ray_resources(self.ray_resources, "the router asks for no CPU")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError(
+                f"ssl_keyfile={self.ssl_keyfile!r} and ssl_certfile={self.ssl_certfile!r}: HTTPS needs both, or neither"
+            )
+        for key in ("ssl_keyfile", "ssl_certfile"):  # the router's process has a working directory of its own
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, str(Path(getattr(self, key)).expanduser().resolve()))
+        if type(self.access_log) is not bool:
+            raise ConfigError(f"access_log={self.access_log!r} must be true or false")
         if not self.placement_policy:
             raise ConfigError("placement_policy='' is empty; name a policy such as 'cache_aware'")
         if self.kv_lease_per_token_s < 0:
@@ -190,6 +209,8 @@ class RouterConfig:
                 isinstance(value, list) and value and all(isinstance(v, str) and v.strip() for v in value)
             ):
                 raise ConfigError(f'{key}={value!r} must be a non-empty list of names (or ["*"]), or null')
+        if type(self.max_n) is not int or self.max_n < 1:
+            raise ConfigError(f"max_n={self.max_n!r} must be an integer >= 1")
         if self.max_tokens_limit is not None and not (
             type(self.max_tokens_limit) is int and self.max_tokens_limit >= 1
         ):
@@ -214,8 +235,20 @@ class ClusterConfig:
     # disagg: separate prefill and decode pools; colocated: one pool does both; auto: decided at
     # deploy from the host (cluster.app.with_resolved_mode), disaggregated until then.
     mode: str = "auto"
-    model: str | None = None  # None: the default model; else a HF directory or a .gguf file
+    # None: the default model; else a HF directory, a .gguf file, or a Hub id (org/name: downloaded
+    # into the Hugging Face cache once, or read from it with HF_HUB_OFFLINE=1) at `revision`.
+    model: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit (None: main)
     served_model_name: str | None = None  # the `model` clients pass; None: derived (see served_name)
+    # vLLM's --tensor-parallel-size: the TP degree of every pool whose own tensor_parallel_size is
+    # not given (applied by the loader: the config file, flags, records). None: 1.
+    tensor_parallel_size: int | None = None
+    # The chat template the router applies instead of the model's own (vLLM's --chat-template): a
+    # file's path or the template inline; held (and recorded) as the template's text.
+    chat_template: str | None = None
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (a request's priority field orders every
+    # pool's waiting requests, lower first; without it a priority other than 0 is refused).
+    scheduling_policy: str = "fcfs"
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -228,6 +261,10 @@ class ClusterConfig:
     # KV_SHARE_OF_HOST of the host's free memory, split evenly between all its shards
     # (cluster.app.with_resolved_kv_budget); elsewhere each instance takes DEFAULT_KV_FRACTION.
     kv_cache_memory: float | int | None = None
+    # CUDA only, vLLM's --gpu-memory-utilization: the fraction of each GPU's total memory its shard
+    # may hold (weights, activations, KV); its KV cache gets the rest (engine.kv_cache_memory).
+    # Replaces kv_cache_memory; refused on CPU (size the cache with kv_cache_memory there).
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     transport: str = "auto"  # KV transport between pools
     # Where decode replicas' KV endpoints (tcp, grpc, torch) listen, and the address tickets name
@@ -262,6 +299,9 @@ class ClusterConfig:
     # (neither this file nor PDSERVE_API_KEYS) the router asks for no key, which only a loopback
     # host may do: cluster.app refuses to deploy otherwise.
     api_keys_file: str | None = None
+    # Keys clients must send as 'Authorization: Bearer KEY' (vLLM's --api-key), tenant "default"
+    # as PDSERVE_API_KEYS' are. Never logged nor recorded (redacted_dict): the router holds digests.
+    api_keys: list[str] | None = field(default=None, repr=False)
     ray_address: str | None = None  # None: start a local Ray
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
@@ -286,6 +326,9 @@ class ClusterConfig:
             )
         if type(self.stream_interval) is not int or self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            policies = ", ".join(SCHEDULING_POLICIES)
+            raise ConfigError(f"scheduling_policy={self.scheduling_policy!r} is not supported; use one of {policies}")
         if not (isinstance(self.health_check_period_s, (int, float)) and self.health_check_period_s > 0):
             raise ConfigError(f"health_check_period_s={self.health_check_period_s!r} must be > 0 seconds")
         check_tracing(self.tracing)
@@ -318,6 +361,22 @@ class ClusterConfig:
             object.__setattr__(self, "api_keys_file", str(Path(self.api_keys_file).resolve()))
         if self.served_model_name == "":
             raise ConfigError("served_model_name='' is empty; give a name or leave it unset to derive one")
+        if self.tensor_parallel_size is not None:
+            ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
+        if self.api_keys is not None and not (
+            isinstance(self.api_keys, list)
+            and self.api_keys
+            and all(isinstance(k, str) and k.strip() for k in self.api_keys)
+        ):
+            raise ConfigError("api_keys must be a non-empty list of keys, or null")
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} and kv_cache_memory={self.kv_cache_memory} "
+                "both size the KV cache: give one"
+            )
         for key, cls in (("prefill", PoolConfig), ("decode", PoolConfig), ("colocated", PoolConfig)):
             if not isinstance(getattr(self, key), cls):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be a {cls.__name__}")
@@ -340,12 +399,15 @@ class ClusterConfig:
             compile=self.compile,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            revision=self.revision,
+            chat_template=self.chat_template,
         )
 
     def _cache_config(self, pool: str) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=DEFAULT_KV_FRACTION if self.kv_cache_memory is None else self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             # Decode replicas on this host read a prefill replica's blocks in place over shm.
             shared_memory=self.disaggregated and pool == "prefill" and self.transport in ("shm", "auto"),
@@ -391,7 +453,7 @@ class ClusterConfig:
                 "advertise_host": self.kv_advertise_host,
             }
             connector = KVConnectorConfig(KV_CONNECTOR, options, push_every_chunk=self.kv_push_every_chunk)
-        scheduler = spec.scheduler_config(EngineRole(pool))
+        scheduler = replace(spec.scheduler_config(EngineRole(pool)), policy=self.scheduling_policy)
         if pool == "decode" and self.router.conditional_disaggregation and spec.max_decode_stall_s is None:
             # The prompts it computes itself go in chunks beside its decode batch, each step's held to this.
             scheduler = replace(scheduler, max_decode_stall_s=self.router.local_prefill_max_stall_s)
@@ -409,12 +471,19 @@ class ClusterConfig:
             return self.served_model_name
         if self.model is None:
             return DEFAULT_SERVED_NAME
+        if is_hub_id(self.model):  # as vLLM: clients name the model by its id
+            return self.model
         name = Path(self.model).name
         return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
     def to_dict(self) -> dict:
         """Plain types only (YAML/JSON/msgpack-safe); ``from_dict`` reads it back."""
         return asdict(self)
+
+    def redacted_dict(self) -> dict:
+        """``to_dict`` without the API keys: what is written where others may read it (the run-state
+        file, Ray's key-value store). A resize needs none: it reuses the running router's keyring."""
+        return {**self.to_dict(), "api_keys": None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object], source: str = "the cluster config") -> ClusterConfig:
@@ -459,6 +528,23 @@ def parse_override(text: str) -> tuple[str, object]:
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def parse_value(text: str, hint: object, key: str, source: str) -> object:
+    """``text`` (a command-line value) as the type ``hint`` wants: read as YAML (numbers, true/false,
+    null, [lists], {mappings}), or the text as it is for a key that takes a string. ConfigError
+    names ``key`` and the type it takes."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    try:
+        return _check_type(value, hint, key, source)
+    except ConfigError:
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if str in allowed:  # e.g. a revision "1.0", a name "123"
+            return text
+        raise
 
 
 def _hints(cls: type) -> dict[str, object]:
@@ -529,8 +615,25 @@ def _check_type(value: object, hint: object, path: str, source: str) -> object:
             return value
         if typing.get_origin(kind) is dict and isinstance(value, Mapping):
             return dict(value)  # its keys and values are checked by the dataclass that holds it
+        if typing.get_origin(kind) is list and isinstance(value, list | tuple):
+            return list(value)  # its items too
     expected = " or ".join("null" if kind is type(None) else getattr(kind, "__name__", str(kind)) for kind in allowed)
     raise ConfigError(f"{path}: expected {expected}, got {value!r} ({type(value).__name__}) in {source}")
+
+
+POOL_KEYS = ("prefill", "decode", "colocated")
+
+
+def _with_cluster_tp(data: Mapping) -> Mapping:
+    """The top-level ``tensor_parallel_size`` given to each pool that does not give its own (here,
+    where a key left out can be told from one set to the default)."""
+    tp = data.get("tensor_parallel_size")
+    if tp is None:
+        return data
+    pools = {key: data.get(key) or {} for key in POOL_KEYS}
+    if not all(isinstance(pool, Mapping) for pool in pools.values()):
+        return data  # _build names the section that is not a mapping
+    return {**data, **{key: {"tensor_parallel_size": tp, **pool} for key, pool in pools.items()}}
 
 
 def _build(cls: type, data: object, section: str, source: str):
@@ -540,6 +643,8 @@ def _build(cls: type, data: object, section: str, source: str):
         where = f"'{section}'" if section else "the top level"
         raise ConfigError(f"{where} of {source} must be a mapping of keys, got {data!r} ({type(data).__name__})")
     hints = _hints(cls)
+    if cls is ClusterConfig:
+        data = _with_cluster_tp(data)
     kwargs: dict[str, object] = {}
     for key, value in data.items():
         if key not in hints:

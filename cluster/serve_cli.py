@@ -18,6 +18,7 @@ import urllib.request
 from typing import Any
 
 from cluster.cluster_config import ClusterConfig, load_cluster_config, parse_override
+from cluster.config_flags import ListConfigFlags, add_config_flags, config_overrides
 from common import env
 from common.cpu_cores import format_core_list
 from common.errors import ConfigError
@@ -25,10 +26,23 @@ from router.auth import ADMIN_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
-# CLI flag -> dotted config key (flags override the file; --set overrides anything).
+# CLI flag -> dotted config key (flags override the file; --set overrides anything). Every other
+# key has a generated flag (cluster.config_flags).
 FLAG_KEYS = {
     "mode": "mode",
     "model": "model",
+    "served_model_name": "served_model_name",
+    "max_model_len": "max_model_len",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "api_key": "api_keys",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "chat_template": "chat_template",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "revision": "revision",
+    "allowed_origins": "router.allowed_origins",
+    "ssl_keyfile": "router.ssl_keyfile",
+    "ssl_certfile": "router.ssl_certfile",
+    "access_log": "router.access_log",
     "host": "host",
     "port": "port",
     "dtype": "dtype",
@@ -47,7 +61,6 @@ FLAG_KEYS = {
     "prefill_tp": "prefill.tensor_parallel_size",
     "decode_tp": "decode.tensor_parallel_size",
     "replicas": "colocated.replicas",
-    "tp": "colocated.tensor_parallel_size",
     "prefill_cores": "prefill.cores",
     "decode_cores": "decode.cores",
     "cores": "colocated.cores",
@@ -55,13 +68,21 @@ FLAG_KEYS = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="a Hugging Face directory, a .gguf file or a Hub id (org/name), as `vllm serve MODEL` "
+        "(default: SmolLM2-135M-Instruct); --model says the same",
+    )
     parser.add_argument("--config", help="cluster YAML (see cluster.example.yaml)")
     parser.add_argument(
         "--mode",
         choices=["auto", "disagg", "colocated"],
         help="auto (default): colocated on a CPU host of fewer than 4 cores, else disaggregated",
     )
-    parser.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    add_vllm_arguments(parser)
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -115,7 +136,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, help="tensor-parallel degree of each prefill replica")
     parser.add_argument("--decode-tp", type=int, help="tensor-parallel degree of each decode replica")
     parser.add_argument("--replicas", type=int, help="colocated mode: replicas of the one pool")
-    parser.add_argument("--tp", type=int, help="colocated mode: tensor-parallel degree")
     parser.add_argument(
         "--prefill-cores", type=int, help="CPU cores per prefill replica (default: its share of the host)"
     )
@@ -126,9 +146,93 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--cores", type=int, help="colocated mode: CPU cores per replica (default: the host's, divided by the replicas)"
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key, dotted")
+    keys = parser.add_argument_group(
+        "every config key",
+        "each key of the config file is a flag too: --KEY-NAME VALUE, a section's --SECTION.KEY-NAME VALUE "
+        "(--block-size 32, --router.request-timeout-s 60, --prefill.max-num-seqs 32; booleans: --planner.enabled "
+        "or --no-planner.enabled); --help-config lists them",
+    )
+    keys.add_argument("--help-config", action=ListConfigFlags, help="list every config key's flag and exit")
+    add_config_flags(parser, FLAG_KEYS)
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags a `vllm serve` launch line uses, meaning what they mean there."""
+    parser.add_argument(
+        "--served-model-name", metavar="NAME", help="the model name clients send (default: derived from MODEL)"
+    )
+    parser.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp",
+        type=int,
+        metavar="N",
+        help="tensor-parallel degree of every pool: the colocated one, or prefill and decode both "
+        "(unless --prefill-tp / --decode-tp say otherwise)",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="clients must send 'Authorization: Bearer KEY' (repeat for several keys); never logged",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="CUDA: the fraction of each GPU's total memory a shard may use, weights, activations and KV "
+        "together (the KV cache gets the rest); refused on CPU, where --kv-cache-memory sizes it",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="a chat template file, or the template inline (replaces the model's)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of shared prompt prefixes (default on)",
+    )
+    parser.add_argument("--revision", metavar="REV", help="the Hub id's branch, tag or commit (default: main)")
+    parser.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        metavar="ORIGINS",
+        help='CORS: web origins whose pages may call the API and read answers, a JSON list or commas ("*": any); '
+        "default: none (loopback pages may call it but read nothing)",
+    )
+    parser.add_argument("--ssl-keyfile", metavar="PEM", help="HTTPS: the PEM private key (with --ssl-certfile)")
+    parser.add_argument("--ssl-certfile", metavar="PEM", help="HTTPS: the PEM certificate (with --ssl-keyfile)")
+    parser.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a log line per HTTP request in the router's log (default off)",
+    )
+
+
+def _origins(text: str) -> list[str]:
+    """vLLM's JSON list (["https://a.example"]), or origins separated by commas."""
+    if text.strip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+    else:
+        origins = [part.strip() for part in text.split(",") if part.strip()]
+    if not isinstance(origins, list) or not origins or not all(isinstance(o, str) for o in origins):
+        raise argparse.ArgumentTypeError(f"{text!r}: give origins as a JSON list or separated by commas")
+    return origins
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None and args.model is not None and model_tag != args.model:
+        raise ConfigError(f"two models given: {model_tag!r} and --model {args.model!r}; give one")
+    if model_tag is not None:
+        args.model = model_tag
     overrides: dict[str, Any] = {}
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
@@ -136,6 +240,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
             if flag == "kv_cache_memory" and value > 1:
                 value = int(value)
             overrides[key] = value
+    overrides.update(config_overrides(args))
     for item in args.set:
         key, value = parse_override(item)
         overrides[key] = value
@@ -159,8 +264,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port = app.http_port(config)
         _write_state(config, port)
         wrote_state = True
+        url = f"{_scheme(config.to_dict())}://{config.host}:{port}/v1"
         print(
-            f"pdserve ({config.mode}) serving {config.served_name} at http://{config.host}:{port}/v1 "
+            f"pdserve ({config.mode}) serving {config.served_name} at {url} "
             f"— ready in {seconds:.1f} s. Ctrl-C stops it.",
             flush=True,
         )
@@ -182,7 +288,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _write_state(config: ClusterConfig, port: int) -> None:
     path = env.run_state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"config": config.to_dict(), "port": port}))
+    path.write_text(json.dumps({"config": config.redacted_dict(), "port": port}))
+
+
+def _scheme(config: dict) -> str:
+    return "https" if config.get("router", {}).get("ssl_certfile") else "http"
 
 
 def _read_state() -> dict:
@@ -198,7 +308,7 @@ def _router_url(args: argparse.Namespace) -> str:
     state = _read_state()
     host = state["config"]["host"]
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{host}:{state['port']}"
+    return f"{_scheme(state['config'])}://{host}:{state['port']}"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

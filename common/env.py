@@ -80,3 +80,23 @@ SERVE_PROCESS_ENV = {
     # (router.http_listener says why).
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
 }
+
+
+# Hugging Face's own variables (not PDSERVE_: a vLLM user has them set already), read here at call
+# time: huggingface_hub reads them once, at its import, which a test or a long-lived process may
+# have done before they were set.
+def hf_hub_offline() -> bool:
+    """HF_HUB_OFFLINE=1: models by Hub id come from the local Hugging Face cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face cache of Hub downloads: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub (huggingface_hub's own order)."""
+    configured = os.environ.get("HF_HUB_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    home = os.environ.get("HF_HOME") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    )
+    return Path(home).expanduser() / "hub"

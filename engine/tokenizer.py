@@ -8,14 +8,20 @@ from pathlib import Path
 from common.tokenizer_files import generic_fast_tokenizer
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, chat_template: str | None = None):
+    """The model's tokenizer; ``chat_template`` (the template's text, common.model_source) replaces
+    the one the model ships, as vLLM's ``--chat-template`` does."""
     if generic_fast_tokenizer(model_dir):  # the same tokenizer, without AutoTokenizer's imports
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    from transformers import AutoTokenizer
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:

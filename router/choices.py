@@ -24,14 +24,16 @@ _QUEUED_PER_CHOICE = 64
 StartChoice = Callable[[int], AsyncIterator[StreamDelta]]
 
 
-async def merged_choices(start: StartChoice, num_prompts: int, n: int) -> AsyncIterator[StreamDelta]:
+def merged_choices(start: StartChoice, num_prompts: int, n: int) -> AsyncIterator[StreamDelta]:
     """Every choice's deltas as they come, ``index`` set; ends when every choice has finished.
-    ``start(i)``: choice i's deltas (the orchestrator's run of its request)."""
+    ``start(i)``: choice i's deltas (the orchestrator's run of its request). One choice's are
+    passed on as they are: the common request pays nothing for the others'."""
     if num_prompts * n == 1:
-        async with contextlib.aclosing(start(0)) as only:
-            async for delta in only:
-                yield delta
-        return
+        return start(0)
+    return _merged(start, num_prompts, n)
+
+
+async def _merged(start: StartChoice, num_prompts: int, n: int) -> AsyncIterator[StreamDelta]:
     queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue(
         _QUEUED_PER_CHOICE * num_prompts * n
     )

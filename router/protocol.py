@@ -223,11 +223,13 @@ def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping
         max_tokens_field, default_max_tokens = "max_tokens", DEFAULT_MAX_TOKENS_COMPLETION
         logprobs = body.get("logprobs")  # SamplingParams checks it is null or an int in [0, 20]
         echo = optional_bool(body, "echo")
-        if echo and _is_token_count(logprobs):
+        if echo and isinstance(logprobs, int) and _is_token_count(logprobs):
             # The echoed prompt's tokens come with their logprobs too (vLLM's answer; lm-eval's
             # loglikelihood tasks read them), with as many alternatives as the generated tokens.
             asked = kwargs.get("prompt_logprobs")
-            kwargs["prompt_logprobs"] = max(logprobs, asked) if _is_token_count(asked) else logprobs
+            kwargs["prompt_logprobs"] = (
+                max(logprobs, asked) if isinstance(asked, int) and _is_token_count(asked) else logprobs
+            )
     else:
         messages = parse_messages(body.get("messages"))
         has_new_name = body.get("max_completion_tokens") is not None

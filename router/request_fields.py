@@ -120,7 +120,7 @@ REFUSED: dict[RequestKind, dict[str, Callable[[Any], bool]]] = {
 HINTS = {
     "request_id": "send the request's id as the X-Request-Id header",
     "echo": "only /v1/completions echoes the prompt",
-    "chat_template": "this server applies the model's own chat template",
+    "chat_template": "this server applies its own chat template (the model's, or pdserve serve --chat-template)",
 }
 
 KNOWN_FIELDS = frozenset().union(*HONOURED.values(), HARMLESS, *(refused.keys() for refused in REFUSED.values()))

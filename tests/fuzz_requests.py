@@ -39,7 +39,10 @@ BOOLEANS = ("stream", "echo", "ignore_eos", "skip_special_tokens", "include_stop
 # Per field: values it takes (so that most bodies reach the checks after parsing), then values of
 # its shape out of range. max_tokens stays small in both: a valid body costs a real cluster a few tokens.
 _VALID: dict[str, st.SearchStrategy] = {
-    "prompt": st.text(max_size=40) | TEXT | st.lists(st.integers(0, 40_000), min_size=1, max_size=8),
+    "prompt": st.text(max_size=40)
+    | TEXT
+    | st.lists(st.integers(0, 40_000), min_size=1, max_size=8)
+    | st.lists(TEXT | st.lists(st.integers(0, 40_000), min_size=1, max_size=4), min_size=2, max_size=3),  # a batch
     "messages": st.lists(
         st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": TEXT}),
         min_size=1,
@@ -47,7 +50,10 @@ _VALID: dict[str, st.SearchStrategy] = {
     ),
     "max_tokens": st.integers(1, 4),
     "max_completion_tokens": st.integers(1, 4),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
+    "prompt_logprobs": st.integers(0, 3),
+    "priority": st.just(0),
+    "min_tokens": st.integers(0, 1),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 60),
@@ -68,7 +74,9 @@ _EDGE: dict[str, st.SearchStrategy] = {
     "prompt": st.lists(st.integers(-3, 60_000), max_size=8) | st.lists(TEXT | st.lists(st.integers(0, 99)), max_size=2),
     "messages": MESSAGES,
     "max_tokens": st.integers(-2, 0) | st.sampled_from([None, "4", 1.5, True, [], {}]),
-    "n": st.integers(-1, 3),
+    "n": st.integers(-1, 40) | st.sampled_from([1.5, "2", True]),
+    "prompt_logprobs": st.integers(-1, 22) | st.booleans(),
+    "priority": st.integers(-(2**40), 2**40),
     "temperature": st.floats(-1, 3) | st.just(float("nan")),
     "top_p": st.floats(-0.5, 1.5),
     "top_k": st.integers(-3, 60),

@@ -109,3 +109,71 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
     while (stray := _ray_pids() - before) and time.monotonic() < deadline:
         time.sleep(1)
     assert not stray, f"processes left behind: {stray}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_vllm_launch_line_starts_pdserve_behind_its_api_key(tmp_path, smol_dir):
+    """`pdserve serve MODEL --served-model-name … -tp … --max-model-len … --api-key … --chat-template …`
+    as a vLLM user types it: the OpenAI client with the key is answered, without it refused (401);
+    the router renders chats with the given template; the key is in no file the command wrote."""
+    import openai
+
+    from engine.tokenizer import load_tokenizer
+
+    port, key = free_port(), "sk-vllm-style-0001"
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    env = {
+        **os.environ,
+        "PDSERVE_STATE_FILE": str(tmp_path / "state.json"),
+        "PDSERVE_CORE_LOCK_DIR": str(tmp_path / "cores"),
+    }
+    command = [
+        sys.executable, "-m", "cluster.cli", "serve", MODEL,
+        "--served-model-name", "smol",
+        "-tp", "1",
+        "--max-model-len", "1024",
+        "--api-key", key,
+        "--chat-template", str(template),
+        "--port", str(port),
+        "--mode", "colocated",
+        "--dtype", "float32",
+        "--kv-cache-memory", str(64 * 2**20),  # room for the whole 1,024-token context
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert process.poll() is None, "".join(lines[-30:])
+        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+        url = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        assert client.models.retrieve("smol").model_extra["max_model_len"] == 1024
+        messages = [{"role": "user", "content": "Say hi"}]
+        answer = client.chat.completions.create(model="smol", messages=messages, max_tokens=4, temperature=0)
+        assert answer.choices[0].message.content and answer.usage.completion_tokens <= 4
+        # The prompt is the given template's rendering, not SmolLM2's (which adds a system prompt).
+        rendered = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+        assert answer.usage.prompt_tokens == len(load_tokenizer(smol_dir).encode(rendered))
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="sk-wrong-key-0001", max_retries=0).models.list()
+        code, _, _ = post(url + "/chat/completions", {"model": "smol", "messages": messages, "max_tokens": 2})
+        assert code == 401  # no key at all
+        assert key not in (tmp_path / "state.json").read_text()
+        assert not any(key in line for line in lines)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert returncode == 0

@@ -405,6 +405,9 @@ def test_a_cluster_reachable_beyond_loopback_needs_api_keys(monkeypatch, tmp_pat
         ({"prefill.cores": 1}, 2, "disagg"),
         ({"router.conditional_disaggregation": False}, 2, "disagg"),
         ({"colocated.replicas": 2}, 16, "colocated"),
+        ({"tensor_parallel_size": 2}, 2, "colocated"),  # vLLM's -tp configures no pool of its own
+        ({"tensor_parallel_size": 2}, 16, "disagg"),
+        ({"tensor_parallel_size": 2, "prefill.tensor_parallel_size": 1}, 2, "disagg"),
         ({"mode": "disagg"}, 2, "disagg"),  # explicit modes are kept
         ({"mode": "colocated"}, 16, "colocated"),
         ({"device": "cuda"}, 2, "disagg"),  # GPUs are not split by core
@@ -516,3 +519,217 @@ def test_the_planner_s_budget_on_a_local_cpu_cluster_is_the_host_s_cores_and_eac
     assert plan(seen, PlannerConfig(**kwargs["planner"]), PlannerState())["prefill"].target == 3
     with pytest.raises(ConfigError, match=r"planner\.enabled"):
         load_cluster_config(overrides={"mode": "colocated", "planner.enabled": True})
+
+
+# --- the vLLM launch line and the generated flags -----------------------------------------------
+
+
+def _serve_args(*argv: str):
+    from cluster.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def _config(*argv: str) -> ClusterConfig:
+    from cluster.serve_cli import config_from_args
+
+    return config_from_args(_serve_args(*argv))
+
+
+def test_a_vllm_launch_line_sets_what_it_sets_in_vllm(tmp_path, monkeypatch):
+    from cluster.app import load_keyring
+
+    monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = _config(
+        "org/some-model",
+        "--served-model-name", "chat",
+        "--max-model-len", "4096",
+        "-tp", "2",
+        "--api-key", "sk-vllm-key-01",
+        "--chat-template", str(template),
+        "--no-enable-prefix-caching",
+        "--revision", "1.0",
+        "--allowed-origins", '["https://app.example.com"]',
+        "--ssl-keyfile", "key.pem",
+        "--ssl-certfile", "cert.pem",
+        "--access-log",
+    )  # fmt: skip
+    assert (config.model, config.served_name, config.max_model_len) == ("org/some-model", "chat", 4096)
+    assert config.revision == "1.0" and isinstance(config.revision, str)  # not read as the number 1.0
+    assert config.enable_prefix_caching is False
+    assert config.chat_template == template.read_text()  # the file's text, read once
+    assert [config.prefill, config.decode, config.colocated] == [PoolConfig(tensor_parallel_size=2)] * 3
+    model = config.engine_config("decode").model
+    assert (model.revision, model.chat_template) == ("1.0", template.read_text())
+    assert config.router.allowed_origins == ["https://app.example.com"]
+    assert config.router.ssl_keyfile == str(Path("key.pem").resolve()) and config.router.access_log is True
+    keyring = load_keyring(config)
+    assert keyring.tenant("Bearer sk-vllm-key-01").name == "default"
+    assert "sk-vllm-key-01" not in repr(config) and "sk-vllm-key-01" not in repr(keyring)
+    # Hub ids are served under their id, as vLLM does.
+    assert _config("HuggingFaceTB/SmolLM2-135M-Instruct").served_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_tensor_parallel_size_is_every_pool_s_unless_a_pool_says_otherwise(tmp_path):
+    config = _config("--tensor-parallel-size", "2", "--prefill-tp", "1")
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (1, 2)
+    assert config.colocated.tensor_parallel_size == 2
+    assert _config("--tp", "3").colocated.tensor_parallel_size == 3  # the old spelling
+    path = write(tmp_path, "tensor_parallel_size: 2\ndecode:\n  tensor_parallel_size: 4\n")
+    from_file = load_cluster_config(path)
+    assert (from_file.prefill.tensor_parallel_size, from_file.decode.tensor_parallel_size) == (2, 4)
+    # The record of a running cluster reads back to the same pools.
+    assert ClusterConfig.from_dict(from_file.to_dict()) == from_file
+    with pytest.raises(ConfigError, match="tensor_parallel_size=0"):
+        load_cluster_config(overrides={"tensor_parallel_size": 0})
+
+
+def test_the_model_positional_or_flag_but_not_two_different_ones():
+    assert _config("some/model").model == _config("--model", "some/model").model == "some/model"
+    assert _config().model is None
+    with pytest.raises(ConfigError, match="two models given"):
+        _config("a/model", "--model", "b/model")
+
+
+def test_the_api_keys_reach_no_file_and_no_log(tmp_path, monkeypatch, caplog):
+    import json
+
+    from cluster import serve_cli
+
+    monkeypatch.setenv("PDSERVE_STATE_FILE", str(tmp_path / "state.json"))
+    config = _config("--api-key", "sk-secret-0001", "--api-key", "sk-secret-0002")
+    assert config.api_keys == ["sk-secret-0001", "sk-secret-0002"]
+    serve_cli._write_state(config, 8000)
+    text = (tmp_path / "state.json").read_text()
+    assert "sk-secret" not in text
+    recorded = ClusterConfig.from_dict(json.loads(text)["config"])
+    assert recorded.api_keys is None and recorded == ClusterConfig.from_dict({**config.to_dict(), "api_keys": None})
+    with pytest.raises(ConfigError, match="api_keys"):
+        load_cluster_config(overrides={"api_keys": [""]})
+
+
+def test_gpu_memory_utilization_is_one_way_to_size_the_kv_cache_and_cuda_s_only():
+    from cluster.app import check_memory_flags
+
+    config = _config("--gpu-memory-utilization", "0.85", "--device", "cuda")
+    assert config.engine_config("decode").cache.gpu_memory_utilization == 0.85
+    check_memory_flags(config)  # a CUDA cluster keeps it
+    with pytest.raises(ConfigError, match="both size the KV cache"):
+        _config("--gpu-memory-utilization", "0.85", "--kv-cache-memory", "0.2")
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1\.5"):
+        _config("--gpu-memory-utilization", "1.5")
+    with pytest.raises(ConfigError, match=r"--gpu-memory-utilization 0.85 sizes a GPU.*--kv-cache-memory"):
+        check_memory_flags(_config("--gpu-memory-utilization", "0.85", "--device", "cpu"))
+
+
+def test_a_chat_template_is_a_file_or_inline_and_a_missing_file_is_named(tmp_path):
+    assert _config("--chat-template", "{{ messages[0]['content'] }}").chat_template == "{{ messages[0]['content'] }}"
+    with pytest.raises(ConfigError, match=r"chat_template='no-such\.jinja' is neither a readable file"):
+        _config("--chat-template", "no-such.jinja")
+
+
+def test_allowed_origins_take_vllm_s_json_list_or_commas():
+    assert _config("--allowed-origins", "https://a.example, https://b.example").router.allowed_origins == [
+        "https://a.example",
+        "https://b.example",
+    ]
+    assert _config("--allowed-origins", '["*"]').router.allowed_origins == ["*"]
+    assert load_cluster_config(overrides={"router.allowed_hosts": ["a.example"]}).router.allowed_hosts == ["a.example"]
+
+
+def test_https_needs_both_files():
+    with pytest.raises(ConfigError, match="HTTPS needs both"):
+        _config("--ssl-keyfile", "key.pem")
+
+
+def test_every_config_key_has_a_flag():
+    """Each field of ClusterConfig and its sections (PoolConfig, RouterConfig, PlannerConfig) is a
+    flag of `pdserve serve`: generated from the dataclasses, or the hand-written flag of that key."""
+    import dataclasses
+
+    from cluster.cli import build_parser
+    from cluster.config_flags import config_flags
+    from router.planner import PlannerConfig
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    options = serve._option_string_actions
+    expected = {f.name for f in dataclasses.fields(ClusterConfig)} - {
+        "prefill",
+        "decode",
+        "colocated",
+        "router",
+        "planner",
+    }
+    expected |= {
+        f"{pool}.{f.name}" for pool in ("prefill", "decode", "colocated") for f in dataclasses.fields(PoolConfig)
+    }
+    expected |= {f"router.{f.name}" for f in dataclasses.fields(RouterConfig)}
+    expected |= {f"planner.{f.name}" for f in dataclasses.fields(PlannerConfig)}
+    specs = {spec.key: spec for spec in config_flags()}
+    assert set(specs) == expected
+    for key, spec in specs.items():
+        assert spec.flag in options, key
+        if spec.is_switch and "." in key:
+            assert "--no-" + spec.flag[2:] in options, key
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "expected"),
+    [
+        (["--router.request-timeout-s", "60"], "router.request_timeout_s", 60.0),
+        (["--prefill.max-num-seqs", "8"], "prefill.max_num_seqs", 8),
+        (["--router.inter-token-timeout-s", "null"], "router.inter_token_timeout_s", None),
+        (["--no-router.conditional-disaggregation"], "router.conditional_disaggregation", False),
+        (["--planner.enabled", "--mode", "disagg"], "planner.enabled", True),
+        (["--planner.max-replicas", "{decode: 2}"], "planner.max_replicas", {"prefill": 4, "decode": 2}),
+        (["--router.allowed-hosts", "[api.example.com]"], "router.allowed_hosts", ["api.example.com"]),
+        (["--block-size", "32"], "block_size", 32),
+        (["--decode.overlap-outputs", "true"], "decode.overlap_outputs", True),
+        (["--kv-integrity", "crc32"], "kv_integrity", "crc32"),
+        (
+            ["--tracing-endpoint", "http://127.0.0.1:4318/v1/traces"],
+            "tracing_endpoint",
+            "http://127.0.0.1:4318/v1/traces",
+        ),
+    ],
+)
+def test_a_generated_flag_sets_its_key(argv, key, expected):
+    config = _config(*argv)
+    value: object = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_a_generated_flag_refuses_a_value_of_the_wrong_type_naming_the_key(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _serve_args("--prefill.max-num-seqs", "many")
+    assert exit_info.value.code == 2
+    assert "prefill.max_num_seqs: expected int" in capsys.readouterr().err
+    # --set still wins over a flag.
+    assert _config("--router.max-retries", "3", "--set", "router.max_retries=0").router.max_retries == 0
+
+
+def test_serve_help_stays_short_and_help_config_lists_every_key(capsys):
+    with pytest.raises(SystemExit):
+        _serve_args("--help")
+    help_text = capsys.readouterr().out
+    assert "--tensor-parallel-size N, -tp N, --tp N" in help_text and "--help-config" in help_text
+    assert "--router.request-timeout-s" in help_text  # once, as the example
+    assert "--prefill.max-num-waiting" not in help_text and len(help_text.splitlines()) < 160
+    with pytest.raises(SystemExit):
+        _serve_args("--help-config")
+    listing = capsys.readouterr().out
+    assert "--prefill.max-num-waiting INT" in listing and "--router.access-log/--no-router.access-log" in listing
+
+
+def test_the_scheduling_policy_reaches_every_pool_s_engine_and_max_n_the_router():
+    config = load_cluster_config(None, {"scheduling_policy": "priority", "router.max_n": 4, "mode": "disagg"})
+    assert [config.engine_config(pool).scheduler.policy for pool in config.pools()] == ["priority", "priority"]
+    assert config.router.max_n == 4
+    assert load_cluster_config().engine_config("decode").scheduler.policy == "fcfs"
+    for bad in ({"scheduling_policy": "lottery"}, {"router.max_n": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad)).split(".")[-1]):
+            load_cluster_config(None, bad)

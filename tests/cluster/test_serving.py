@@ -526,10 +526,12 @@ def test_errors_come_back_in_openai_format_and_leak_nothing(cluster):
         ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["a", [-1]]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
         ({"model": MODEL, "prompt": long_text(80)}, 400, "prompt"),  # past the context
-        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": ["hi", long_text(80)]}, 400, "prompt"),  # one prompt of a batch
+        ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),  # past router.max_n
+        ({"model": MODEL, "prompt": "hi", "priority": 1}, 400, "priority"),  # not the priority policy
     ]
     for body, status, param in cases:
         code, headers, payload = post(url, body, headers={"X-Request-Id": "req-err-1"})

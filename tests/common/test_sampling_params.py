@@ -15,8 +15,10 @@ from common.sampling_params import SamplingParams
 @pytest.mark.parametrize(
     ("kwargs", "param", "allowed"),
     [
-        ({"n": 2}, "n", "must be 1"),
-        ({"n": 0}, "n", "must be 1"),
+        ({"n": 0}, "n", "must be an integer >= 1"),
+        ({"n": 1.5}, "n", "must be an integer >= 1"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+        ({"priority": 2**31}, "priority", "priority must be an integer"),
         ({"max_tokens": 0}, "max_tokens", ">= 1"),
         ({"max_tokens": 1.5}, "max_tokens", ">= 1"),
         ({"max_tokens": True}, "max_tokens", ">= 1"),
@@ -170,3 +172,10 @@ def test_module_does_not_import_torch() -> None:
         env={**os.environ, "PYTHONPATH": str(repo_root)},
     )
     assert result.returncode == 0
+
+
+def test_each_choice_of_n_draws_its_own_seed_stream():
+    params = SamplingParams(n=3, seed=7, temperature=0.8)
+    assert [(c.n, c.seed) for c in map(params.for_choice, range(3))] == [(1, 7), (1, 8), (1, 9)]
+    assert SamplingParams(n=2).for_choice(1).seed is None
+    assert SamplingParams.from_dict(SamplingParams(prompt_logprobs=2, priority=-1).to_dict()).priority == -1

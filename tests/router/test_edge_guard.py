@@ -1,6 +1,7 @@
 """Browsers and the router (router.edge_guard), through its real HTTP server with scripted pools: a
 page on another origin, a DNS-rebinding host name and a ``text/plain`` POST reach no route, API
-clients (no Origin, JSON bodies) and loopback pages are served; router.max_tokens_limit."""
+clients (no Origin, JSON bodies) and loopback pages are served; CORS for the origins
+router.allowed_origins names; router.max_tokens_limit."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_the_policy_by_listener():
     assert local.allowed_hosts == {"localhost", "127.0.0.1", "::1"}
     assert EdgePolicy.for_listener("0.0.0.0", None, None).allowed_hosts is None
     assert EdgePolicy.for_listener("0.0.0.0", ["api.example.com:443"], None).allowed_hosts == {"api.example.com"}
-    assert EdgePolicy.for_listener("127.0.0.1", ["*"], ["*"]) == EdgePolicy(None, None)
+    assert EdgePolicy.for_listener("127.0.0.1", ["*"], ["*"]) == EdgePolicy(None, None, cors=True)
+    assert not local.cors  # no CORS unless router.allowed_origins names origins
     assert [host_name(h) for h in ("[::1]:8000", "LocalHost:1", "::1", "a.b")] == ["::1", "localhost", "::1", "a.b"]
     ok = {b"host": b"localhost:8000"}
     assert local.refusal("GET", ok) is None
@@ -107,3 +109,100 @@ def test_max_tokens_beyond_the_limit_is_refused_by_name_and_the_default_cut_to_i
 
     pool = serve(scenario, max_tokens_limit=3)
     assert [r.sampling["max_tokens"] for r in pool.sent] == [3, 2]
+
+
+def raw_exchange(port: int, method: str, path: str, headers: dict[str, str], body: bytes | None = None):
+    """(status, lower-cased response headers, body bytes)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request(method, path, body, headers)
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_cors_is_off_by_default_loopback_pages_are_served_but_read_nothing(serve):  # noqa: F811
+    async def scenario(server, request):
+        port = server.listener.port
+        page = {"Host": "127.0.0.1", "Origin": "http://localhost:5173"}
+        status, headers, _ = await asyncio.to_thread(
+            raw_exchange,
+            port,
+            "POST",
+            "/v1/completions",
+            {**page, "Content-Type": "application/json"},
+            json.dumps(BODY).encode(),
+        )
+        assert status == 200 and "access-control-allow-origin" not in headers
+        status, headers, _ = await asyncio.to_thread(
+            raw_exchange, port, "OPTIONS", "/v1/completions", {**page, **PREFLIGHT}
+        )
+        assert status == 405 and "access-control-allow-origin" not in headers  # no preflight answered
+
+    serve(scenario)
+
+
+def test_allowed_origins_turn_cors_on_for_them_and_still_refuse_the_others(serve):  # noqa: F811
+    async def scenario(server, request):
+        port = server.listener.port
+        app = {"Host": "127.0.0.1", "Origin": "https://app.example.com:8443"}
+        status, headers, body = await asyncio.to_thread(
+            raw_exchange, port, "OPTIONS", "/v1/chat/completions", {**app, **PREFLIGHT}
+        )
+        assert status == 200 and body == b"OK"
+        assert headers["access-control-allow-origin"] == "https://app.example.com:8443"
+        assert "POST" in headers["access-control-allow-methods"]
+        assert headers["access-control-allow-headers"] == "authorization, content-type"
+        assert headers["vary"] == "Origin" and int(headers["access-control-max-age"]) > 0
+        status, headers, body = await asyncio.to_thread(
+            raw_exchange,
+            port,
+            "POST",
+            "/v1/completions",
+            {**app, "Content-Type": "application/json"},
+            json.dumps(BODY).encode(),
+        )
+        assert status == 200 and json.loads(body)["choices"]
+        assert headers["access-control-allow-origin"] == "https://app.example.com:8443"
+        status, headers, _ = await asyncio.to_thread(raw_exchange, port, "GET", "/v1/models", app)
+        assert status == 200 and headers["access-control-allow-origin"] == "https://app.example.com:8443"
+        # Another site: refused as before, preflight included, and nothing it could read.
+        evil = {"Host": "127.0.0.1", "Origin": "https://evil.example"}
+        for method, extra in (("OPTIONS", PREFLIGHT), ("POST", {"Content-Type": "application/json"})):
+            status, headers, body = await asyncio.to_thread(
+                raw_exchange, port, method, "/v1/completions", {**evil, **extra}, json.dumps(BODY).encode()
+            )
+            assert status == 403 and json.loads(body)["error"]["code"] == "forbidden_origin", method
+            assert "access-control-allow-origin" not in headers
+        # API clients send no Origin: no CORS headers, served as ever.
+        status, headers, _ = await asyncio.to_thread(raw_exchange, port, "GET", "/v1/models", {"Host": "127.0.0.1"})
+        assert status == 200 and "access-control-allow-origin" not in headers
+
+    pool = serve(scenario, allowed_origins=["https://app.example.com"])
+    assert len(pool.sent) == 1  # the allowed page's request only
+
+
+def test_any_origin_with_cors_answers_a_star(serve):  # noqa: F811
+    async def scenario(server, request):
+        page = {"Host": "127.0.0.1", "Origin": "https://anywhere.example"}
+        status, headers, _ = await asyncio.to_thread(raw_exchange, server.listener.port, "GET", "/v1/models", page)
+        assert status == 200 and headers["access-control-allow-origin"] == "*" and "vary" not in headers
+
+    serve(scenario, allowed_origins=["*"])
+
+
+def test_a_chat_template_given_to_the_router_renders_its_chats(serve, smol_dir):  # noqa: F811
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+    async def scenario(server, request):
+        assert server.tokenizer.chat_template == template
+        body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}
+        status, _, answer = await request("/tokenize", body)
+        assert status == 200, answer
+        assert answer["tokens"] == server.tokenizer.encode("<user>hi", add_special_tokens=False)
+
+    serve(scenario, chat_template=template)

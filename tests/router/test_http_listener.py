@@ -161,3 +161,95 @@ def test_sockets_that_never_finish_their_headers_are_closed_and_leave_room_for_o
             await listener.stop()
 
     asyncio.run(main())
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A key and a certificate for 127.0.0.1, made now (cryptography: a dependency of pdserve)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    keyfile, certfile = tmp_path / "key.pem", tmp_path / "cert.pem"
+    keyfile.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(keyfile), str(certfile)
+
+
+def test_with_a_key_and_certificate_it_serves_https_only(tmp_path):
+    import ssl
+
+    from router.http_listener import TlsFiles
+
+    keyfile, certfile = _self_signed(tmp_path)
+
+    async def main():
+        listener = HttpListener(_app("secure"), "127.0.0.1", 0, tls=TlsFiles(keyfile, certfile))
+        listener.start()
+        try:
+            context = ssl.create_default_context(cafile=certfile)  # the client checks the certificate
+            for _ in range(100):
+                try:
+                    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port, ssl=context)
+                    break
+                except OSError:
+                    await asyncio.sleep(0.05)
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            raw = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert raw.startswith(b"HTTP/1.1 200") and _dechunk(raw.partition(b"\r\n\r\n")[2]) == b"secure"
+            assert listener.scheme == "https"
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)  # plain HTTP
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            plain = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert b"secure" not in plain
+        finally:
+            await listener.stop()
+
+    asyncio.run(main())
+
+
+def test_a_bad_certificate_fails_the_constructor_naming_the_setting(tmp_path):
+    from router.http_listener import TlsFiles
+
+    keyfile, _ = _self_signed(tmp_path)
+    (tmp_path / "broken.pem").write_text("not a certificate")
+    with pytest.raises(ValueError, match=r"router\.ssl_certfile=.*broken\.pem"):
+        HttpListener(_app("x"), "127.0.0.1", 0, tls=TlsFiles(keyfile, str(tmp_path / "broken.pem")))
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_the_access_log_writes_a_line_per_request_only_when_asked(access_log, caplog):
+    async def main():
+        listener = HttpListener(_app("logged"), "127.0.0.1", 0, access_log=access_log)
+        listener.start()
+        await _wait_serving(listener)
+        with caplog.at_level("INFO", logger="uvicorn.access"):
+            caplog.clear()
+            assert await _get(listener.port, "/logged-path") == (200, b"logged")
+            await asyncio.sleep(0.05)
+        await listener.stop()
+        return [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+
+    lines = asyncio.run(main())
+    assert any("/logged-path" in line and "200" in line for line in lines) == access_log, lines
