@@ -18,4 +18,6 @@ def gen_ai_attributes(operation: str, model: str, parsed: ParsedRequest, request
     }
     if sampling.seed is not None:
         attributes["gen_ai.request.seed"] = sampling.seed
+    if sampling.n != 1:  # each choice's span carries it, with its own pdserve.choice.index
+        attributes["gen_ai.request.choice.count"] = sampling.n
     return attributes

@@ -40,6 +40,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
+_CHOICES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
 # fmt: on
@@ -112,6 +113,11 @@ class RouterMetrics:
             "Requests refused for a field this server does not honour yet (router/request_fields.py), by field.",
             ("field",),
         )
+        self._choices = histogram(
+            "pdserve:request_choices",
+            "Choices a request asked for (n times its prompts), each one request on the pools.",
+            _CHOICES_BUCKETS,
+        )
         self._prompt_tokens = counter("pdserve:prompt_tokens_total", "Prompt tokens of requests that ran.").labels(
             model_name
         )
@@ -150,8 +156,9 @@ class RouterMetrics:
         self.slo_window: SLOWindow | None = None  # the SLO planner's, when it runs (router.planner_loop)
 
     # --- a request's life at the router ----------------------------------------------------
-    def request_started(self) -> None:
+    def request_started(self, num_choices: int = 1) -> None:
         self._in_flight.inc()
+        self._choices.observe(num_choices)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -272,6 +272,7 @@ class RouterServer:
         salt = tenant_salt(tenant, parsed.cache_salt)
         trace_context = extract(request.headers)  # a client's W3C traceparent: its span is the parent
         n = parsed.sampling.n
+        attributes = gen_ai_attributes(operation, self.served_model, parsed, request_id)
 
         def run_choice(index: int) -> AsyncIterator[StreamDelta]:
             prompt = intake.prompts[index // n]
@@ -282,7 +283,7 @@ class RouterServer:
                 salt,
                 trace_context=trace_context,
                 span_name=f"{operation} {self.served_model}",
-                attributes=gen_ai_attributes(operation, self.served_model, parsed, request_id),
+                attributes=attributes | ({"pdserve.choice.index": index} if intake.num_choices > 1 else {}),
                 arrival_time=started,  # the breakdown of TTFT counts from where the metric's does
                 # A prompt's later choices start once its KV sits in its first choice's decode
                 # replica's prefix cache, where placement sends them: computed there, not moved again.
@@ -290,7 +291,9 @@ class RouterServer:
             )
 
         run = merged_choices(run_choice, len(intake.prompts), n)
-        deltas = self._tracked(run, started, internal_id, request_id, intake.num_prompt_tokens, admission)
+        deltas = self._tracked(
+            run, started, internal_id, request_id, intake.num_prompt_tokens, admission, intake.num_choices
+        )
         return await self._respond(request, intake, deltas, internal_id, request_id)
 
     async def _admit(
@@ -376,6 +379,7 @@ class RouterServer:
         request_id: str,
         num_prompt: int,
         admission: Admission | None = None,
+        num_choices: int = 1,
     ):
         """Counts the request in flight (and against its tenant's limits) until it ends, and records
         its latencies and outcome."""
@@ -385,7 +389,7 @@ class RouterServer:
         finish_reason = None
         yielded = False
         metrics = self.metrics
-        metrics.request_started()
+        metrics.request_started(num_choices)
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:

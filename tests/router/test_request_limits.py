@@ -13,6 +13,7 @@ from common.serving import ServeRequest
 from router import protocol
 from router.server import RouterServer
 from tests.router.test_auth import Pool, call
+from tests.router.test_metrics import MODEL, scrape
 from tests.router.test_orchestrator import FakeResponse
 
 CONTEXT = 8  # the pool's max_model_len: prompts of 3 tokens leave room for 5
@@ -272,6 +273,9 @@ def test_a_batch_clips_each_prompt_s_max_tokens_and_chat_s_default_is_the_contex
         status, _, answer = await request("/v1/completions", batch)
         assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
         assert answer["usage"]["prompt_tokens"] == 7  # each prompt once, whatever n
+        samples = scrape(server.metrics)
+        assert samples[("pdserve:request_choices_count", MODEL)] == 1
+        assert samples[("pdserve:request_choices_sum", MODEL)] == 4
         status, _, answer = await request("/v1/completions", {"model": "smol", "prompt": [1, 2, 3]})
         assert status == 200
 
