@@ -136,11 +136,13 @@ class SamplingParams:
         # Store floats so the dict form (and equality after a round trip) does not depend on 1 vs 1.0.
         object.__setattr__(self, name, float(value))
 
-    def for_choice(self, index: int) -> SamplingParams:
+    def for_choice(self, index: int, score_prompt: bool = True) -> SamplingParams:
         """The params of choice ``index`` of an ``n > 1`` request, run as a request of its own:
-        n = 1, and its own seed stream (seed + index, vLLM's rule) when the request is seeded."""
+        n = 1, and its own seed stream (seed + index, vLLM's rule) when the request is seeded.
+        ``score_prompt`` False: no prompt_logprobs (another choice of the prompt scores it)."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if score_prompt else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def is_greedy(self) -> bool:

@@ -121,12 +121,14 @@ class ResponseWriter:
             )
             return JSONResponse(body, headers=headers)
         answer = []
+        n = intake.parsed.sampling.n
         for i, c in choices.items():
             prefix = self._echo(intake, i)
+            scores = choices[i - i % n].prompt_scores  # a prompt's first choice scored it for all of them
             logprobs = bodies.joined_logprobs(
-                self._echoed_logprobs(intake, i, c.prompt_scores), self._logprobs(intake, c.logprobs, len(prefix))
+                self._echoed_logprobs(intake, i, scores), self._logprobs(intake, c.logprobs, len(prefix))
             )
-            prompt_logprobs = self._prompt_logprobs(intake, i, c.prompt_scores)
+            prompt_logprobs = self._prompt_logprobs(intake, i, scores)
             answer.append(
                 bodies.completion_choice(i, prefix + "".join(c.text), c.finish_reason, logprobs, prompt_logprobs)
             )
@@ -148,9 +150,13 @@ class ResponseWriter:
                 choice.num_tokens += len(delta.new_token_ids)
                 choice.num_cached_tokens = delta.num_cached_tokens
                 breakdown = delta.ttft_breakdown or breakdown  # set on a choice's last delta only
+                if delta.prompt_logprobs is not None:
+                    choice.prompt_scores = delta.prompt_logprobs
                 if not choice.started:
                     choice.started = True
-                    opening = self._opening(intake, response_id, model, created, index, delta, choice)
+                    # A prompt's first choice scored it for all of them, and its first delta came first.
+                    scores = choices[index - index % parsed.sampling.n].prompt_scores
+                    opening = self._opening(intake, response_id, model, created, index, scores, choice)
                     if opening is not None:
                         yield bodies.sse(opening)
                 finish = bodies.openai_finish_reason(delta.finish_reason)
@@ -192,23 +198,23 @@ class ResponseWriter:
         model: str,
         created: int,
         index: int,
-        first: StreamDelta,
+        scores: list[TokenLogprob] | None,
         choice: _Choice,
     ) -> dict[str, Any] | None:
         """A choice's first chunk, before its first token's: chat's role; completions' echoed prompt
-        (with its logprobs, and prompt_logprobs, which come with the choice's first delta)."""
+        (with its logprobs, and prompt_logprobs: ``scores``)."""
         if intake.parsed.kind == "chat":
             chunk = bodies.chat_chunk(response_id, model, created, role="assistant", content="", index=index)
-            prompt_logprobs = self._prompt_logprobs(intake, index, first.prompt_logprobs)
+            prompt_logprobs = self._prompt_logprobs(intake, index, scores)
             if prompt_logprobs is not None:
                 chunk["prompt_logprobs"] = prompt_logprobs
             return chunk
         prefix = self._echo(intake, index)
-        prompt_logprobs = self._prompt_logprobs(intake, index, first.prompt_logprobs)
+        prompt_logprobs = self._prompt_logprobs(intake, index, scores)
         if not prefix and prompt_logprobs is None:
             return None
         choice.offset = len(prefix)  # the answer's text_offsets count the echoed prompt
-        logprobs = self._echoed_logprobs(intake, index, first.prompt_logprobs)
+        logprobs = self._echoed_logprobs(intake, index, scores)
         return bodies.completion_chunk(
             response_id, model, created, prefix, None, logprobs, index=index, prompt_logprobs=prompt_logprobs
         )

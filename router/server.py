@@ -279,7 +279,8 @@ class RouterServer:
             return self.orchestrator.run(
                 internal_id if intake.num_choices == 1 else f"{internal_id}-{index}",
                 prompt.ids,
-                prompt.sampling.for_choice(index % n),
+                # A prompt's first choice scores it (prompt_logprobs) for all of them.
+                prompt.sampling.for_choice(index % n, score_prompt=index % n == 0),
                 salt,
                 trace_context=trace_context,
                 span_name=f"{operation} {self.served_model}",

@@ -192,3 +192,21 @@ def test_prompt_logprobs_come_in_vllm_s_shape_on_the_choice_and_on_a_chat_respon
     chat = _intake({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, [[1, 2]])
     assert _respond(chat, items)["prompt_logprobs"] == expected
     assert _stream(chat, items)[0]["prompt_logprobs"] == expected
+
+
+def test_a_prompt_s_first_choice_scores_it_for_every_choice_of_it():
+    prompt = [1, 2]
+    scores = [TokenLogprob(2, -1.5, ((2, -1.5),), 1)]
+    intake = _intake({"prompt": "ab", "echo": True, "logprobs": 0, "max_tokens": 1, "n": 2}, [prompt])
+    items = [
+        StreamDelta("r", [9], "<9>", prompt_logprobs=scores, finish_reason="length", index=0),
+        StreamDelta("r", [8], "<8>", finish_reason="length", index=1),  # a later choice: not scored again
+    ]
+    for choice in _respond(intake, items)["choices"]:
+        assert choice["logprobs"]["token_logprobs"][:2] == [None, -1.5]
+    openings = [c for c in _stream(intake, items) if c["choices"][0]["text"] == "ab"]
+    assert [c["choices"][0]["index"] for c in openings] == [0, 1]
+    assert all(c["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.5] for c in openings)
+    params = intake.parsed.sampling
+    assert params.prompt_logprobs == 0
+    assert [params.for_choice(i, score_prompt=i == 0).prompt_logprobs for i in range(2)] == [0, None]
