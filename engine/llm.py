@@ -108,7 +108,7 @@ class LLM:
                 raise ValueError(f"{len(params_list)} sampling params for {len(batch)} prompts")
         # n > 1: each choice is a request of its own (its prompt's blocks come from the prefix cache).
         work = [
-            (f"offline-{next(self._ids)}", prompt, params.for_choice(i))
+            (f"offline-{next(self._ids)}", prompt, params.for_choice(i, score_prompt=i == 0))
             for prompt, params in zip(batch, params_list, strict=True)
             for i in range(params.n)
         ]

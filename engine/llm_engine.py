@@ -411,7 +411,7 @@ class LLMEngine:
             self._outputs_outside_step.append(self._emit_new_tokens(request))
 
     def _prompt_scoring(self, request_id: str) -> tuple[list[int], int]:
-        request = self.outputs.states[request_id].request
+        request = self.scheduler.requests[request_id]  # just scheduled: the scheduler holds it
         return request.prompt_token_ids, request.sampling_params.prompt_logprobs or 0
 
     def _sampling_rows(self, sampled_ids: list[str]) -> list[SamplingRequestState]:
