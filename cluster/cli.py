@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="experiments: goodput (real clusters), profile (fit a latency model), plan (placement search), "
-        "load (one load run against any OpenAI URL), latency (TTFT/TPOT disagg vs colocated)",
+        "load (one load run against any OpenAI URL), latency (TTFT/TPOT disagg vs colocated), "
+        "api (the same vLLM-client requests to two servers, answers compared)",
         description="Each passes its arguments on: `pdserve bench goodput --help` lists them.",
     )
     bench.add_argument("experiment", choices=sorted(BENCHMARKS))
@@ -114,6 +115,7 @@ BENCHMARKS = {
     "load": "bench.load_client",
     "latency": "bench.serving_latency",
     "router": "bench.router_overhead",
+    "api": "bench.api_side_by_side",
 }
 
 

@@ -202,17 +202,18 @@ def prompt_logprobs_entries(
     id (as a string) to its logprob, rank and text: the prompt's token and the top alternatives."""
     entries: list[dict[str, Any] | None] = [None]
     for token_id, score in zip(prompt_ids[1:], scores, strict=True):
-        entry: dict[str, Any] = {}
-        for rank, (alternative, value) in enumerate(score.top, start=1):
-            entry[str(alternative)] = {
-                "logprob": _finite(value),
-                "rank": rank,
-                "decoded_token": token_text(alternative),
+        # The prompt's own token first, then the alternatives (vLLM's order).
+        entry: dict[str, Any] = {
+            str(token_id): {
+                "logprob": _finite(score.logprob),
+                "rank": score.rank,
+                "decoded_token": token_text(token_id),
             }
-        entry.setdefault(
-            str(token_id),
-            {"logprob": _finite(score.logprob), "rank": score.rank, "decoded_token": token_text(token_id)},
-        )
+        }
+        for rank, (alternative, value) in enumerate(score.top, start=1):
+            entry.setdefault(
+                str(alternative), {"logprob": _finite(value), "rank": rank, "decoded_token": token_text(alternative)}
+            )
         entries.append(entry)
     return entries
 

@@ -184,11 +184,12 @@ def test_prompt_logprobs_come_in_vllm_s_shape_on_the_choice_and_on_a_chat_respon
     expected = [
         None,
         {
-            "7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
             "2": {"logprob": -1.5, "rank": 3, "decoded_token": "<2>"},
+            "7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
         },
     ]
-    assert _respond(intake, items)["choices"][0]["prompt_logprobs"] == expected
+    entries = _respond(intake, items)["choices"][0]["prompt_logprobs"]
+    assert entries == expected and list(entries[1]) == ["2", "7"]  # the prompt's token first, as vLLM
     chat = _intake({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, [[1, 2]])
     assert _respond(chat, items)["prompt_logprobs"] == expected
     assert _stream(chat, items)[0]["prompt_logprobs"] == expected
