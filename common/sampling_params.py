@@ -140,6 +140,8 @@ class SamplingParams:
         """The params of choice ``index`` of an ``n > 1`` request, run as a request of its own:
         n = 1, and its own seed stream (seed + index, vLLM's rule) when the request is seeded.
         ``score_prompt`` False: no prompt_logprobs (another choice of the prompt scores it)."""
+        if self.n == 1 and score_prompt:  # the common request: itself (a replace validates it again)
+            return self
         seed = None if self.seed is None else self.seed + index
         prompt_logprobs = self.prompt_logprobs if score_prompt else None
         return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
