@@ -59,14 +59,7 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
     ]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if "ready in" in line:
-                break
-        assert process.poll() is None, "".join(lines[-30:])
-        # Keep reading its logs, or a full pipe would stall the server.
-        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+        _until_ready(process)
         url = f"http://127.0.0.1:{port}"
         assert get_json(url + "/v1/models")["data"][0]["id"] == MODEL
         # ignore_eos: sampled at the default temperature 1, an early EOS would end it short (it did, once).
@@ -146,13 +139,7 @@ def test_a_vllm_launch_line_starts_pdserve_behind_its_api_key(tmp_path, smol_dir
     ]  # fmt: skip
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if "ready in" in line:
-                break
-        assert process.poll() is None, "".join(lines[-30:])
-        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+        lines = _until_ready(process)
         url = f"http://127.0.0.1:{port}/v1"
         client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["smol"]
@@ -177,3 +164,17 @@ def test_a_vllm_launch_line_starts_pdserve_behind_its_api_key(tmp_path, smol_dir
             process.kill()
             raise
     assert returncode == 0
+
+
+def _until_ready(process: subprocess.Popen) -> list[str]:
+    """The server's output up to its "ready" line; its logs are read on after (a full pipe would
+    stall the server)."""
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "ready in" in line:
+            break
+    assert process.poll() is None, "".join(lines[-30:])
+    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+    return lines
