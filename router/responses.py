@@ -47,6 +47,13 @@ class _Choice:
     offset: int = 0  # streaming completions: where its next token's text starts
 
 
+def _scores_missing(intake: Intake, choices: dict[int, _Choice], leaders) -> bool:
+    """Whether a prompt's scores (prompt_logprobs asked for) are missing from its first choice."""
+    return intake.parsed.sampling.prompt_logprobs is not None and any(
+        choices[leader].prompt_scores is None for leader in leaders
+    )
+
+
 class ResponseWriter:
     def __init__(self, served_model: str, decode: Callable[[list[int]], str]) -> None:
         """``decode``: token ids to text (the tokenizer's, special tokens kept)."""
@@ -105,6 +112,10 @@ class ResponseWriter:
             if delta.finish_reason is not None:
                 choice.finish_reason = bodies.openai_finish_reason(delta.finish_reason)
                 breakdown = delta.ttft_breakdown or breakdown
+        if _scores_missing(intake, choices, range(0, intake.num_choices, intake.parsed.sampling.n)):
+            # A prefill replica's reply lost after its KV landed: an answer without them would score empty.
+            logger.warning("request %s: the prompt's logprobs never came", response_id)
+            return error_response(failed())
         model, created = self.served_model, int(time.time())
         usage = self._usage(intake, choices, breakdown)
         if intake.parsed.kind == "chat":
@@ -153,6 +164,10 @@ class ResponseWriter:
                 if delta.prompt_logprobs is not None:
                     choice.prompt_scores = delta.prompt_logprobs
                 if not choice.started:
+                    if _scores_missing(intake, choices, (index - index % parsed.sampling.n,)):
+                        logger.warning("request %s: the prompt's logprobs never came", response_id)
+                        yield bodies.sse_error(failed())
+                        break
                     choice.started = True
                     # A prompt's first choice scored it for all of them, and its first delta came first.
                     scores = choices[index - index % parsed.sampling.n].prompt_scores

@@ -211,3 +211,11 @@ def test_a_prompt_s_first_choice_scores_it_for_every_choice_of_it():
     params = intake.parsed.sampling
     assert params.prompt_logprobs == 0
     assert [params.for_choice(i, score_prompt=i == 0).prompt_logprobs for i in range(2)] == [0, None]
+
+
+def test_an_answer_whose_prompt_scores_never_came_is_an_error_not_an_empty_score():
+    # A prefill replica's reply lost after its KV landed: the first delta carries no prompt_logprobs.
+    intake = _intake({"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 1}, [[1, 2]])
+    items = [StreamDelta("r", [9], "<9>", finish_reason="length")]
+    assert "error" in _respond(intake, items)
+    assert [chunk.get("error") is not None for chunk in _stream(intake, items)] == [True]
