@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from common.outputs import TokenLogprob
 from common.serving import ServeRequest, StreamDelta
 from router.server import RouterServer
 from tests.fuzz_requests import models_requests, post_and_check, request_and_check, requests
@@ -33,10 +34,20 @@ class EchoStream(FakeStream):
 
     async def _generate(self):
         max_tokens = self.request.sampling["max_tokens"]
+        # As an engine does: the prompt's scores, when asked for, with the first token.
+        num_top = self.request.sampling.get("prompt_logprobs")
+        prompt = self.request.prompt_token_ids
+        scores = None if num_top is None else [TokenLogprob(t, -1.0, ((t, -1.0),) * num_top, 1) for t in prompt[1:]]
         for i in range(max_tokens):
             last = i == max_tokens - 1
             self.ended = last  # the reader stops at the finished delta
-            yield StreamDelta(self.request.request_id, [100 + i], f" w{i}", finish_reason="length" if last else None)
+            yield StreamDelta(
+                self.request.request_id,
+                [100 + i],
+                f" w{i}",
+                finish_reason="length" if last else None,
+                prompt_logprobs=scores if i == 0 else None,
+            )
             await asyncio.sleep(0)
 
 
