@@ -24,21 +24,20 @@ def score_prompts(
     """Per request: (scored token's position, its logprob with the top alternatives), from
     ``logits`` [sum of the rows' counts, vocab]. ``prompt_of(request_id)``: its prompt token ids
     and how many alternatives it asks for."""
+    asked = [prompt_of(row.request_id) for row in rows]
     targets: list[int] = []
-    for row in rows:
-        prompt, _ = prompt_of(row.request_id)
+    for row, (prompt, _) in zip(rows, asked, strict=True):
         targets.extend(prompt[row.first_position + 1 : row.first_position + 1 + row.count])
     logprobs = logits.log_softmax(dim=-1)
     target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
     chosen_values = logprobs.gather(1, target_ids.unsqueeze(1))
     ranks = ((logprobs > chosen_values).sum(dim=1) + 1).tolist()
     chosen = chosen_values.squeeze(1).tolist()
-    num_top = min(max(prompt_of(row.request_id)[1] for row in rows), logprobs.shape[1])
+    num_top = min(max(num for _, num in asked), logprobs.shape[1])
     top_values, top_ids = (t.tolist() for t in logprobs.topk(num_top, dim=-1)) if num_top else ([], [])
     scored: dict[str, list[tuple[int, TokenLogprob]]] = {}
     offset = 0
-    for row in rows:
-        num_alternatives = prompt_of(row.request_id)[1]
+    for row, (_, num_alternatives) in zip(rows, asked, strict=True):
         entries = scored.setdefault(row.request_id, [])
         for k in range(row.count):
             i = offset + k

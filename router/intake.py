@@ -68,6 +68,14 @@ class Intake:
     def num_choices(self) -> int:
         return len(self.prompts) * self.parsed.sampling.n
 
+    def prompt_of(self, choice: int) -> TokenizedPrompt:
+        """The prompt choice ``choice`` samples (router.choices: ``choice // n``)."""
+        return self.prompts[choice // self.parsed.sampling.n]
+
+    def first_choice_of(self, choice: int) -> int:
+        """The first choice of ``choice``'s prompt: the one that scores it (prompt_logprobs)."""
+        return choice - choice % self.parsed.sampling.n
+
 
 def load_tokenizer(model_dir: str) -> Any:
     """The generic fast class where it loads the same tokenizer (common.tokenizer_files): ~1.8 s

@@ -71,27 +71,26 @@ class ResponseWriter:
         return bodies.completion_logprobs(logprobs, self._token_text, text_offset)
 
     def _echo(self, intake: Intake, index: int) -> str:
-        prompt = intake.prompts[index // intake.parsed.sampling.n]
+        prompt = intake.prompt_of(index)
         return (prompt.text or self.decode(prompt.ids)) if intake.parsed.echo else ""
 
     def _echoed_logprobs(self, intake: Intake, index: int, scores: list[TokenLogprob] | None) -> dict | None:
         """The echoed prompt's logprobs, where the request asked for logprobs with echo."""
         if not intake.parsed.echo or intake.parsed.logprobs is None or scores is None:
             return None
-        prompt = intake.prompts[index // intake.parsed.sampling.n]
+        prompt = intake.prompt_of(index)
         return bodies.echoed_prompt_logprobs(prompt.ids, scores, self._token_text)
 
     def _prompt_logprobs(self, intake: Intake, index: int, scores: list[TokenLogprob] | None) -> list | None:
         """vLLM's ``prompt_logprobs`` field, where the request set it."""
         if not intake.parsed.asks_prompt_logprobs or scores is None:
             return None
-        prompt = intake.prompts[index // intake.parsed.sampling.n]
+        prompt = intake.prompt_of(index)
         return bodies.prompt_logprobs_entries(prompt.ids, scores, self._token_text)
 
     def _usage(self, intake: Intake, choices: dict[int, _Choice], breakdown) -> dict[str, Any]:
         # A prompt counts once however many choices sample it (OpenAI's and vLLM's usage).
-        n = intake.parsed.sampling.n
-        cached = sum(choice.num_cached_tokens for index, choice in choices.items() if index % n == 0)
+        cached = sum(c.num_cached_tokens for index, c in choices.items() if intake.first_choice_of(index) == index)
         completion_tokens = sum(choice.num_tokens for choice in choices.values())
         return bodies.usage(intake.num_prompt_tokens, completion_tokens, cached, breakdown)
 
@@ -112,7 +111,7 @@ class ResponseWriter:
             if delta.finish_reason is not None:
                 choice.finish_reason = bodies.openai_finish_reason(delta.finish_reason)
                 breakdown = delta.ttft_breakdown or breakdown
-        if _scores_missing(intake, choices, range(0, intake.num_choices, intake.parsed.sampling.n)):
+        if _scores_missing(intake, choices, {intake.first_choice_of(i) for i in choices}):
             # A prefill replica's reply lost after its KV landed: an answer without them would score empty.
             logger.warning("request %s: the prompt's logprobs never came", response_id)
             return error_response(failed())
@@ -132,10 +131,9 @@ class ResponseWriter:
             )
             return JSONResponse(body, headers=headers)
         answer = []
-        n = intake.parsed.sampling.n
         for i, c in choices.items():
             prefix = self._echo(intake, i)
-            scores = choices[i - i % n].prompt_scores  # a prompt's first choice scored it for all of them
+            scores = choices[intake.first_choice_of(i)].prompt_scores  # it scored the prompt for all its choices
             logprobs = bodies.joined_logprobs(
                 self._echoed_logprobs(intake, i, scores), self._logprobs(intake, c.logprobs, len(prefix))
             )
@@ -164,13 +162,13 @@ class ResponseWriter:
                 if delta.prompt_logprobs is not None:
                     choice.prompt_scores = delta.prompt_logprobs
                 if not choice.started:
-                    if _scores_missing(intake, choices, (index - index % parsed.sampling.n,)):
+                    if _scores_missing(intake, choices, (intake.first_choice_of(index),)):
                         logger.warning("request %s: the prompt's logprobs never came", response_id)
                         yield bodies.sse_error(failed())
                         break
                     choice.started = True
                     # A prompt's first choice scored it for all of them, and its first delta came first.
-                    scores = choices[index - index % parsed.sampling.n].prompt_scores
+                    scores = choices[intake.first_choice_of(index)].prompt_scores
                     opening = self._opening(intake, response_id, model, created, index, scores, choice)
                     if opening is not None:
                         yield bodies.sse(opening)

@@ -275,7 +275,7 @@ class RouterServer:
         attributes = gen_ai_attributes(operation, self.served_model, parsed, request_id)
 
         def run_choice(index: int) -> AsyncIterator[StreamDelta]:
-            prompt = intake.prompts[index // n]
+            prompt = intake.prompt_of(index)
             return self.orchestrator.run(
                 internal_id if intake.num_choices == 1 else f"{internal_id}-{index}",
                 prompt.ids,

@@ -90,12 +90,7 @@ def test_serve_answers_reports_scales_and_stops_cleanly_on_sigterm(tmp_path):
         code, _, body = post(url + "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
         assert code == 200
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            returncode = process.wait(120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        returncode = _stopped(process)
     assert returncode == 0
     assert not (tmp_path / "state.json").exists()
     deadline = time.monotonic() + 30
@@ -157,12 +152,7 @@ def test_a_vllm_launch_line_starts_pdserve_behind_its_api_key(tmp_path, smol_dir
         assert key not in (tmp_path / "state.json").read_text()
         assert not any(key in line for line in lines)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            returncode = process.wait(120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        returncode = _stopped(process)
     assert returncode == 0
 
 
@@ -178,3 +168,13 @@ def _until_ready(process: subprocess.Popen) -> list[str]:
     assert process.poll() is None, "".join(lines[-30:])
     threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
     return lines
+
+
+def _stopped(process: subprocess.Popen) -> int:
+    """SIGTERM, as an operator stops it; its exit status (killed, and the test failed, past 120 s)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
