@@ -136,9 +136,14 @@ class SchedulerConfig:
     # "fcfs": requests in arrival order. "priority" (vLLM's): waiting requests by their priority (lower
     # first), then arrival; the running request preempted first for blocks is the least urgent.
     policy: str = "fcfs"
+    # Compiled constraints (JSON schemas, regexes, grammars) kept per replica, least recently used
+    # out first: a schema sent again is not compiled again.
+    grammar_cache_size: int = 128
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", EngineRole(self.role))
+        if self.grammar_cache_size < 1:
+            raise ConfigError(f"grammar_cache_size={self.grammar_cache_size} must be >= 1")
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling policy {self.policy!r} must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_decode_stall_s is not None and not self.max_decode_stall_s >= 0:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from common.errors import InvalidRequestError
+from common.structured_outputs import StructuredOutput
 
 # Below this a temperature is treated as greedy: dividing logits by it would overflow anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -79,6 +80,9 @@ class SamplingParams:
     # Not a sampling setting: it rides here to reach the engine's scheduler (scheduling policy
     # "priority": lower first; vLLM's request field).
     priority: int = 0
+    # The output's constraint (a JSON schema, regex, choice, grammar, structural tag): each replica
+    # compiles it and masks every sampled token to what it allows (engine/structured_output).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # n > 1 is the router's: it runs n requests of n = 1, whose prompts share cached KV blocks.
@@ -122,6 +126,10 @@ class SamplingParams:
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
                 param="min_tokens",
             )
+        if isinstance(self.structured_output, dict):  # the wire's form (to_dict)
+            object.__setattr__(self, "structured_output", StructuredOutput.from_dict(self.structured_output))
+        elif self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output must be a StructuredOutput", param="structured_outputs")
         object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
@@ -168,6 +176,9 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, StructuredOutput):
+                out[f.name] = value.to_dict()
+                continue
             out[f.name] = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
         return out
 

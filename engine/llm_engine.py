@@ -35,6 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import PendingSample, Sampler, SamplingRequestState, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_input import build_step_input, carried_tokens
+from engine.structured_output import GrammarCompilerPool, StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class EngineStats:
     kv: PrefixCacheStats
 
 
+_GRAMMAR_WAIT_S = 0.01  # a step with only compiling requests waits this long for one
 _MIN_PREFILL_TOKENS_TIMED = 32  # a step with fewer prefill tokens times its overhead, not prefill
 _NEWEST_STEP_WEIGHT = 0.2  # of the newest step in the moving average
 
@@ -94,6 +96,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
+        compilers = GrammarCompilerPool(self.tokenizer, self.vocab_size, config.scheduler.grammar_cache_size)
+        self.grammars = StructuredOutputManager(compilers)
         self.num_preemptions = 0
         self._outputs_outside_step: list[RequestOutput] = []
         overlap = config.scheduler.overlap_outputs
@@ -201,6 +205,7 @@ class LLMEngine:
                 f"(max_num_waiting={self.config.scheduler.max_num_waiting}); retry later"
             )
         self.outputs.add(request, text, _generator(request.sampling_params.seed, self.executor.driver.device))
+        self.grammars.add(request)  # compiling from now; the request waits for it, not the batch
         self.scheduler.add_request(request)
         if kv_ticket is not None:
             self.handoff.accept_ticket(request_id, kv_ticket)
@@ -222,6 +227,7 @@ class LLMEngine:
         block_ids = self.scheduler.reserve(request)
         if block_ids is not None:
             self.outputs.add(request, None, _generator(request.sampling_params.seed, self.executor.driver.device))
+            self.grammars.add(request)  # compiles while the prompt's KV is computed and pushed
         return block_ids
 
     @property
@@ -278,11 +284,24 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if not self.grammars:
+            return self._step()
+        for request_id, error in self.grammars.take_failed():
+            logger.warning("request %s ends: %s", request_id, error)
+            self.abort_request(request_id, error=error)
+        results = self._step()
+        for output in results:
+            if output.finished:
+                self.grammars.remove(output.request_id)
+        return results
+
+    def _step(self) -> list[RequestOutput]:
         results: list[RequestOutput] = []
         self._carry_out(self.handoff.before_schedule(time.monotonic()))
         launched, self._in_flight = self._in_flight, None
         if launched is None:
-            scheduled = self.scheduler.schedule(self.prompt_token_cap())
+            compiling = self.grammars.pending_ids() if self.grammars else ()
+            scheduled = self.scheduler.schedule(self.prompt_token_cap(), skip=compiling)
             self.num_preemptions += len(scheduled.preempted_request_ids)
             ended, plan = self.handoff.after_schedule(scheduled)
             self._carry_out(ended)
@@ -290,6 +309,8 @@ class LLMEngine:
                 self._emit_deferred()
                 if plan is not None and (plan.pushes or plan.forget or self.handoff.busy):
                     self._round(plan)
+                elif compiling:  # only requests waiting for their grammar: wait for one, don't spin
+                    self.grammars.wait_for_compiles(_GRAMMAR_WAIT_S)
                 return self._take_outputs_outside_step()
             try:
                 launched = self._launch(scheduled, plan)
@@ -323,6 +344,8 @@ class LLMEngine:
         # With the next step already queued, outputs are made now, while it runs.
         defer = self.overlap_outputs and self._in_flight is None
         for request in self.scheduler.update_from_output(launched.scheduled, sampled):
+            if request.status is RequestStatus.RUNNING and request.request_id in self.grammars:
+                self._advance_constraint(request)
             if defer and request.status is RequestStatus.RUNNING:
                 self._deferred.append(request)  # made while the next step runs
                 continue
@@ -360,7 +383,11 @@ class LLMEngine:
         pending = None
         if sampled_ids:
             assert logits is not None
-            pending = self.sampler.launch(logits, self._sampling_rows(sampled_ids))
+            mask = None
+            if self.grammars:  # filled on the host while the device computes the logits
+                requests = [self.outputs.states[request_id].request for request_id in sampled_ids]
+                mask = self.grammars.fill_bitmask(requests, self.vocab_size)
+            pending = self.sampler.launch(logits, self._sampling_rows(sampled_ids), mask)
         done = None
         if pending is None and self._device.type == "cuda":
             # Nothing read back will wait for this step: an event marks its end (see _step_ended).
@@ -377,7 +404,8 @@ class LLMEngine:
         if launched.scheduled.blocked:
             return False
         rows = launched.pending.rows if launched.pending is not None else ()
-        return not any(row.params.needs_penalties for row in rows)
+        # A constrained request's next mask needs its matcher to have taken this step's token.
+        return not any(row.params.needs_penalties or row.params.structured_output is not None for row in rows)
 
     def _look_ahead(
         self, launched: _LaunchedStep
@@ -387,6 +415,8 @@ class LLMEngine:
         ``launched``, its decodes' input ids taken from ``launched``'s samples on the device.
         Returns the step queued (None: nothing to run) or the step that ran out of memory."""
         ending = self.scheduler.advance(launched.scheduled)
+        if self.grammars:
+            ending |= self.grammars.pending_ids()
         scheduled = self.scheduler.schedule(self.prompt_token_cap(), may_preempt=False, skip=ending)
         if scheduled.is_empty:
             return None, None
@@ -409,6 +439,19 @@ class LLMEngine:
     def _emit_if_live(self, request: Request) -> None:
         if request.request_id in self.outputs.states and not request.is_finished:
             self._outputs_outside_step.append(self._emit_new_tokens(request))
+
+    def _advance_constraint(self, request: Request) -> None:
+        """The matcher takes the request's new token; a token it refuses (every token was masked:
+        a dead end) is dropped and the request ends, as one whose grammar completed while it may not
+        end by EOS does: finish_reason "stop", the reason logged."""
+        end = self.grammars.advance(request)
+        if end is None:
+            return
+        logger.info("request %s stops: %s", request.request_id, end.reason)
+        if end.token_refused:
+            request.drop_last_output_token()
+            self.outputs.drop_last_logprob(request.request_id)
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _prompt_scoring(self, request_id: str) -> tuple[list[int], int]:
         request = self.scheduler.requests[request_id]  # just scheduled: the scheduler holds it

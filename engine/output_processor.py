@@ -56,6 +56,12 @@ class OutputProcessor:
         if state is not None and state.logprobs is not None and logprob is not None:
             state.logprobs.append(logprob)
 
+    def drop_last_logprob(self, request_id: str) -> None:
+        """Its last token was taken back (Request.drop_last_output_token): so is its logprob."""
+        state = self.states.get(request_id)
+        if state is not None and state.logprobs and len(state.logprobs) > state.request.num_output_tokens:
+            state.logprobs.pop()
+
     def record_prompt_logprobs(self, scores: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
         for request_id, entries in scores.items():
             state = self.states.get(request_id)

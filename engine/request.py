@@ -111,6 +111,11 @@ class Request:
             self.all_token_ids.pop()
             self.has_placeholder = False
 
+    def drop_last_output_token(self) -> None:
+        """The last token is taken back before it was emitted or computed (a constraint refused it)."""
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
+
     @property
     def num_known_tokens(self) -> int:
         return self.num_tokens - self.has_placeholder

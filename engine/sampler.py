@@ -10,6 +10,9 @@ Per call, in order (each stage is skipped when no row in the batch needs it):
         ▼
     adjustments (logit_bias added; EOS and stop token ids masked before min_tokens)
         │
+        ▼
+    constraint (the grammar's token mask: what it does not allow is -inf; engine/structured_output)
+        │
         ├──► greedy rows: argmax
         ▼
     / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► exponential race
@@ -29,6 +32,7 @@ import torch
 from common.outputs import TokenLogprob
 from common.sampling_params import SamplingParams
 from engine.pinned_upload import PinnedUpload
+from engine.structured_output import TokenMask, apply_token_bitmask
 
 _U64_MASK = (1 << 64) - 1
 
@@ -160,12 +164,17 @@ class Sampler:
             upload = self._uploads[device] = PinnedUpload(device, torch.float32)
         return upload(host)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> SamplerOutput:
-        return self.launch(logits, rows).read()
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRequestState], mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        return self.launch(logits, rows, mask).read()
 
-    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> PendingSample:
+    def launch(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRequestState], mask: TokenMask | None = None
+    ) -> PendingSample:
         """Queue the sampling of ``logits`` without reading anything back: on CUDA the host is free
-        until ``read()`` (the engine detokenizes the previous step's tokens meanwhile)."""
+        until ``read()`` (the engine detokenizes the previous step's tokens meanwhile). ``mask``:
+        the constrained rows' allowed tokens."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
@@ -174,6 +183,8 @@ class Sampler:
         # .float() aliases float32 input; every stage below is out-of-place so the caller's tensor survives.
         raw_logits = logits.float()
         logits = self._adjust(self._penalize(raw_logits, rows), rows)
+        if mask is not None:
+            logits = _constrain(logits, raw_logits, mask)
 
         greedy = [row.params.is_greedy for row in rows]
         sampled = greedy_pick(logits) if all(greedy) else self._sample(logits, rows, greedy, self._upload)
@@ -282,6 +293,16 @@ class Sampler:
         if greedy_ids is not None:
             sampled = torch.where(settings[4] > 0.5, greedy_ids, sampled)
         return sampled
+
+
+def _constrain(logits: torch.Tensor, raw_logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    if logits is raw_logits:  # the logprobs are read from the raw logits: mask a copy
+        logits = logits.clone()
+    bitmask = mask.bitmask.to(logits.device)
+    every_row = len(mask.rows) == logits.shape[0]
+    rows = None if every_row else torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
+    apply_token_bitmask(logits, bitmask, rows)
+    return logits
 
 
 @dataclass(slots=True)

@@ -119,8 +119,9 @@ class Scheduler:
 
         A step scheduled ahead of the one still on the device (async scheduling) passes
         ``may_preempt=False``: a request preempted then would lose a token not yet read, so a
-        running request without room waits, and the output says ``blocked``. ``skip``: running
-        requests that sit this step out (the step on the device samples their last token)."""
+        running request without room waits, and the output says ``blocked``. ``skip``: requests that
+        sit this step out, running (the step on the device samples their last token) or waiting
+        (their constraint's grammar is still compiling: they take no blocks until it is ready)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget if prompt_token_cap is None or not self.num_decoding() else max(1, prompt_token_cap)
@@ -164,7 +165,7 @@ class Scheduler:
         ):
             request = self.waiting[index]
             in_prompt = _in_prompt(request)
-            if in_prompt and prompt_budget <= 0:
+            if (in_prompt and prompt_budget <= 0) or request.request_id in skip:
                 index += 1
                 continue
             hits: list[KVBlock] = []

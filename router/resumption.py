@@ -12,6 +12,8 @@ def why_not_resumable(params: SamplingParams) -> str | None:
     """Why continuing elsewhere from prompt + sent tokens would not give the same output, if it would not."""
     if params.stop:
         return "stop strings cannot be resumed (text held back for matching died with the replica)"
+    if params.structured_output is not None:
+        return "a constrained output cannot be resumed (its matcher's state died with the replica)"
     if params.presence_penalty or params.frequency_penalty:
         return "presence/frequency penalties count output tokens only, which a resumed request would not"
     if params.seed is not None and params.temperature > 0:
