@@ -484,6 +484,8 @@ def build_app(
         "allowed_origins": config.router.allowed_origins,
         "max_tokens_limit": config.router.max_tokens_limit,
         "max_n": config.router.max_n,
+        "constraint_limits": (config.router.max_constraint_bytes, config.router.max_schema_depth),
+        "tool_calling": (config.tool_call_parser, config.enable_auto_tool_choice),
         "priority_scheduling": config.scheduling_policy == "priority",
         "kv_load_failure_policy": config.router.kv_load_failure_policy,
     }

@@ -161,6 +161,10 @@ class RouterConfig:
     max_tokens_limit: int | None = None
     # The most choices one request may ask for (n): each is a request on the pools.
     max_n: int = 16
+    # An output constraint (JSON schema, regex, grammar, structural tag) over this many bytes, or a
+    # schema nested deeper, is refused (400) before any replica compiles it.
+    max_constraint_bytes: int = 64 * 1024
+    max_schema_depth: int = 32
     max_retries: int = 1  # prefill retries / decode resumes per request
     # A request whose KV hand-off failed (a chunk refused as corrupt or forged, a lease run out, a
     # transport error): "recompute" retries it with the prompt computed on its decode replica (no
@@ -209,6 +213,9 @@ class RouterConfig:
                 isinstance(value, list) and value and all(isinstance(v, str) and v.strip() for v in value)
             ):
                 raise ConfigError(f'{key}={value!r} must be a non-empty list of names (or ["*"]), or null')
+        for key in ("max_constraint_bytes", "max_schema_depth"):
+            if type(getattr(self, key)) is not int or getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be an integer >= 1")
         if type(self.max_n) is not int or self.max_n < 1:
             raise ConfigError(f"max_n={self.max_n!r} must be an integer >= 1")
         if self.max_tokens_limit is not None and not (
@@ -249,6 +256,13 @@ class ClusterConfig:
     # vLLM's --scheduling-policy: "fcfs", or "priority" (a request's priority field orders every
     # pool's waiting requests, lower first; without it a priority other than 0 is refused).
     scheduling_policy: str = "fcfs"
+    # vLLM's --tool-call-parser: how the router reads a model's tool calls under tool_choice "auto"
+    # ("hermes", "llama3_json", "mistral"); "auto": the one the chat template's format shows, hermes
+    # where it shows none (a template that ignores tools is then replaced, for requests with tools,
+    # by a ChatML one that shows them the Hermes way). vLLM's --enable-auto-tool-choice: false
+    # refuses tool_choice "auto" with a 400 (required and named functions are served either way).
+    tool_call_parser: str = "auto"
+    enable_auto_tool_choice: bool = True
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -326,6 +340,15 @@ class ClusterConfig:
             )
         if type(self.stream_interval) is not int or self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval!r} must be an integer >= 1 (tokens per chunk)")
+        if self.tool_call_parser != "auto":
+            from router.tool_parsers import get_parser
+
+            try:
+                get_parser(self.tool_call_parser)
+            except ValueError as exc:
+                raise ConfigError(f"tool_call_parser={self.tool_call_parser!r}: {exc}") from None
+        if type(self.enable_auto_tool_choice) is not bool:
+            raise ConfigError(f"enable_auto_tool_choice={self.enable_auto_tool_choice!r} must be true or false")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             policies = ", ".join(SCHEDULING_POLICIES)
             raise ConfigError(f"scheduling_policy={self.scheduling_policy!r} is not supported; use one of {policies}")

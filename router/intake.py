@@ -31,6 +31,8 @@ from router.fair_queue import FairQueue
 from router.parse_process import ParseProcess
 from router.prompt_bounds import PromptBounds, check_length, check_prompt_chars, check_token_ids
 from router.protocol import ChatTemplateOptions, ParsedRequest, RequestKind
+from router.structured_request import ConstraintLimits
+from router.tool_calling import ToolCalling
 
 # A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
 # 30 MiB list of ids held every stream for seconds when it was checked on the event loop.
@@ -89,12 +91,21 @@ def load_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], options: ChatTemplateOptions) -> list[int]:
-    """The chat's prompt ids through the model's template. A template that cannot render what the
-    client sent (a final message it cannot continue, a variable it refuses) is the client's 400."""
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    options: ChatTemplateOptions,
+    tools: list[dict[str, Any]] | None = None,
+    template: str | None = None,
+) -> list[int]:
+    """The chat's prompt ids through the model's template (``template``: another one, for this
+    request). A template that cannot render what the client sent (a final message it cannot
+    continue, a variable it refuses) is the client's 400."""
     try:
         ids = tokenizer.apply_chat_template(
             messages,
+            tools=tools,
+            chat_template=template,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             tokenize=True,
@@ -110,9 +121,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], options: ChatTem
 
 
 def decode_and_parse(
-    raw: bytes, kind: RequestKind, served_model: str, defaults: Mapping[str, Any] = MappingProxyType({})
+    raw: bytes,
+    kind: RequestKind,
+    served_model: str,
+    defaults: Mapping[str, Any] = MappingProxyType({}),
+    limits: ConstraintLimits = ConstraintLimits(),
 ) -> ParsedRequest:
-    return protocol.parse_request(protocol.decode_body(raw), served_model, kind, defaults)
+    return protocol.parse_request(protocol.decode_body(raw), served_model, kind, defaults, limits)
 
 
 class PromptIntake:
@@ -126,6 +141,8 @@ class PromptIntake:
         max_choices: int = 16,
         sampling_defaults: Mapping[str, Any] = MappingProxyType({}),
         priority_scheduling: bool = False,
+        tool_calling: ToolCalling | None = None,
+        constraint_limits: ConstraintLimits = ConstraintLimits(),
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model = served_model
@@ -134,6 +151,8 @@ class PromptIntake:
         self.max_choices = max_choices  # n's limit (router.max_n): each choice is a request on the pools
         self.sampling_defaults = sampling_defaults  # the model's generation_config.json, under the request's
         self.priority_scheduling = priority_scheduling  # the pools' scheduling_policy is "priority"
+        self.tool_calling = tool_calling or ToolCalling(None)
+        self.constraint_limits = constraint_limits  # router.max_constraint_bytes, router.max_schema_depth
         self.vocab_size = len(tokenizer)
         # No token is longer than this many characters (a vocabulary entry's raw form is at least as
         # long as the text it decodes to), so a prompt of more than max_model_len times it cannot fit.
@@ -149,6 +168,9 @@ class PromptIntake:
 
     async def take(self, raw: bytes, kind: RequestKind, tenant: Tenant | None) -> Intake:
         parsed = self.within_max_tokens_limit(await self.parse(raw, kind))
+        if parsed.tools is not None:  # the answer's constraint and decoding follow tool_choice
+            sampling = self.tool_calling.adjust_sampling(parsed.tools, parsed.sampling)
+            parsed = dataclasses.replace(parsed, sampling=sampling)
         if parsed.sampling.priority and not self.priority_scheduling:
             message = "priority is not supported by this server; it schedules first come, first served"
             raise protocol.ApiError(
@@ -179,9 +201,11 @@ class PromptIntake:
             bounds = PromptBounds(await self.context_length(), self.max_token_chars, self.vocab_size)
             raw = await self.parse_process.reduce(raw, kind, self.served_model, bounds)
         if len(raw) > PARSE_ON_LOOP_MAX_BYTES:
-            work = functools.partial(decode_and_parse, raw, kind, self.served_model, self.sampling_defaults)
+            work = functools.partial(
+                decode_and_parse, raw, kind, self.served_model, self.sampling_defaults, self.constraint_limits
+            )
             return await asyncio.get_running_loop().run_in_executor(self.parse_thread, work)
-        return decode_and_parse(raw, kind, self.served_model, self.sampling_defaults)
+        return decode_and_parse(raw, kind, self.served_model, self.sampling_defaults, self.constraint_limits)
 
     def within_max_tokens_limit(self, parsed: ParsedRequest) -> ParsedRequest:
         """router.max_tokens_limit: more asked is refused, naming the field; a default is cut to it."""
@@ -200,7 +224,11 @@ class PromptIntake:
     def tokenize(self, parsed: ParsedRequest) -> tuple[list[int], str | None]:
         if parsed.kind == "chat":
             assert parsed.messages is not None
-            return render_chat(self.tokenizer, parsed.messages, parsed.chat_template or ChatTemplateOptions()), None
+            options = parsed.chat_template or ChatTemplateOptions()
+            if parsed.tools is None:
+                return render_chat(self.tokenizer, parsed.messages, options), None
+            tools, template = parsed.tools.as_openai(), self.tool_calling.template
+            return render_chat(self.tokenizer, parsed.messages, options, tools, template), None
         if isinstance(parsed.prompt, str):
             if not parsed.prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")

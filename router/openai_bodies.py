@@ -15,6 +15,7 @@ from typing import Any
 from common.outputs import TokenLogprob
 from common.serving import TTFTBreakdown
 from router.protocol import ApiError, RequestKind
+from router.tool_parsers.base import ToolCall, ToolCallDelta
 
 # JSON has no -Infinity; OpenAI reports a token the model rules out with this value.
 MIN_LOGPROB = -9999.0
@@ -102,10 +103,34 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, content: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    index: int,
+    content: str | None,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in tool_calls
+        ]
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's ``delta.tool_calls``: a call's id, type and name on its first delta only."""
+    out = []
+    for delta in deltas:
+        entry: dict[str, Any] = {"index": delta.index}
+        function: dict[str, Any] = {"arguments": delta.arguments}
+        if delta.id is not None:
+            entry["id"], entry["type"] = delta.id, "function"
+        if delta.name is not None:
+            function["name"] = delta.name
+        entry["function"] = function
+        out.append(entry)
+    return out
 
 
 def completions_body(request_id: str, model: str, created: int, choices: list[Any], usage: dict[str, Any]):
@@ -184,13 +209,16 @@ def chat_chunk(
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    tool_calls: Sequence[ToolCallDelta] = (),
 ) -> dict[str, Any]:
     """The first chunk passes role="assistant", content=""; the last carries only finish_reason."""
-    delta: dict[str, str] = {}
+    delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls:
+        delta["tool_calls"] = tool_call_deltas(tool_calls)
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(request_id, "chat.completion.chunk", model, created, [choice])
 

@@ -11,6 +11,7 @@ client defines is ignored, as vLLM ignores one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ from typing import Any
 from common.errors import InvalidRequestError, OverloadedError
 from common.sampling_params import SamplingParams
 from router.request_fields import KNOWN_FIELDS, SAMPLING_FIELDS, RequestKind, refused_field
+from router.structured_request import ConstraintLimits, parse_constraint
+from router.tool_request import ToolUse, parse_tools
 
 __all__ = [  # KNOWN_FIELDS and RequestKind are request_fields', handed on
     "CHAT_ROLES",
@@ -116,7 +119,7 @@ class ParsedRequest:
     kind: RequestKind
     model: str
     prompt: str | list[int] | None  # completions only: the first prompt of a batch
-    messages: list[dict[str, str]] | None  # chat only; content flattened to a string
+    messages: list[dict[str, Any]] | None  # chat only: parse_messages' form
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -130,6 +133,7 @@ class ParsedRequest:
     # The client set prompt_logprobs (vLLM's field in the answer); echo with logprobs scores the
     # prompt too, for the echoed tokens' logprobs, without it.
     asks_prompt_logprobs: bool = False
+    tools: ToolUse | None = None  # chat only
 
     @property
     def num_prompts(self) -> int:
@@ -143,6 +147,7 @@ class ParsedRequest:
 
 
 MAX_CACHE_SALT_CHARS = 1024
+_LIMITS = ConstraintLimits()
 _NONE: Mapping[str, Any] = MappingProxyType({})
 # A list of prompts on /v1/completions is a batch of this many at most: each is a request on the pools.
 MAX_BATCH_PROMPTS = 256
@@ -179,12 +184,17 @@ def parse_chat_request(body: object, served_model: str, defaults: Mapping[str, A
 
 
 def parse_request(
-    body: object, served_model: str, kind: RequestKind, defaults: Mapping[str, Any] = _NONE
+    body: object,
+    served_model: str,
+    kind: RequestKind,
+    defaults: Mapping[str, Any] = _NONE,
+    constraint_limits: ConstraintLimits = _LIMITS,
 ) -> ParsedRequest:
     """The parse for ``kind``'s route: /v1/chat/completions ("chat") or /v1/completions.
     ``defaults``: sampling fields' values where the request leaves them out or null (the model's
-    generation_config.json: common.generation_config)."""
-    return _parse(body, served_model, kind, defaults)
+    generation_config.json: common.generation_config). ``constraint_limits``: the router's bounds
+    on an output constraint's size and nesting."""
+    return _parse(body, served_model, kind, defaults, constraint_limits)
 
 
 def _check_model_and_fields(body: object, served_model: str, kind: RequestKind) -> str:
@@ -200,7 +210,13 @@ def _check_model_and_fields(body: object, served_model: str, kind: RequestKind) 
     return model
 
 
-def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping[str, Any]) -> ParsedRequest:
+def _parse(
+    body: object,
+    served_model: str,
+    kind: RequestKind,
+    defaults: Mapping[str, Any],
+    constraint_limits: ConstraintLimits = _LIMITS,
+) -> ParsedRequest:
     model = _check_model_and_fields(body, served_model, kind)
     assert isinstance(body, dict)
     stream = optional_bool(body, "stream")
@@ -214,7 +230,8 @@ def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping
     kwargs.update({name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None})
     renames: dict[str, str] = {}  # SamplingParams field -> the wire field it came from, for error params
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: ToolUse | None = None
     batch: tuple[str | list[int], ...] = ()
     if kind == "completion":
         prompts = _parse_prompts(body.get("prompt"))
@@ -232,6 +249,7 @@ def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping
             )
     else:
         messages = parse_messages(body.get("messages"))
+        tools = _checked(parse_tools, body)
         has_new_name = body.get("max_completion_tokens") is not None
         max_tokens_field = "max_completion_tokens" if has_new_name else "max_tokens"
         default_max_tokens = DEFAULT_MAX_TOKENS_CHAT
@@ -243,6 +261,7 @@ def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     renames["max_tokens"] = max_tokens_field
     kwargs["logprobs"] = logprobs
+    kwargs["structured_output"] = _checked(parse_constraint, body, constraint_limits)
     try:
         sampling = SamplingParams(**kwargs)
     except InvalidRequestError as exc:
@@ -263,7 +282,15 @@ def _parse(body: object, served_model: str, kind: RequestKind, defaults: Mapping
         chat_template_options(body) if kind == "chat" else None,
         batch,
         body.get("prompt_logprobs") is not None,
+        tools,
     )
+
+
+def _checked(parse: Any, *args: Any) -> Any:
+    try:
+        return parse(*args)
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
 
 
 def chat_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
@@ -369,7 +396,10 @@ def _parse_prompts(prompt: object) -> list[str | list[int]]:
     raise ApiError(400, message, param="prompt")
 
 
-def parse_messages(messages: object) -> list[dict[str, str]]:
+def parse_messages(messages: object) -> list[dict[str, Any]]:
+    """The chat's messages as the template reads them: content flattened to a string; an assistant's
+    ``tool_calls`` (its content may then be null) with their arguments as objects (templates render
+    them with ``tojson``, as vLLM hands them over); a tool message's ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of message objects", param="messages")
     parsed = []
@@ -380,10 +410,54 @@ def parse_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             allowed = ", ".join(sorted(CHAT_ROLES))
             raise ApiError(400, f"messages[{i}].role must be one of {allowed}; got {role!r}", param="messages")
-        entry = {"role": role, "content": _flatten_content(message.get("content"), i)}
+        tool_calls = message.get("tool_calls")
+        content = message.get("content")
+        if content is None and role == "assistant" and tool_calls:
+            content = ""
+        entry: dict[str, Any] = {"role": role, "content": _flatten_content(content, i)}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        if tool_calls is not None:
+            if role != "assistant":
+                raise ApiError(
+                    400, f"messages[{i}].tool_calls: only an assistant message has tool calls", param="messages"
+                )
+            entry["tool_calls"] = _tool_calls(tool_calls, i)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ApiError(
+                    400, f"messages[{i}].tool_call_id must be the id of the call it answers", param="messages"
+                )
+            entry["tool_call_id"] = call_id
         parsed.append(entry)
+    return parsed
+
+
+def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", param="messages")
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            message = f'{where} entries must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+            raise ApiError(400, message, param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):  # not JSON: rendered as the text it is
+                arguments = json.loads(arguments) if arguments.strip() else {}
+        elif arguments is not None and not isinstance(arguments, dict):
+            raise ApiError(400, f"{where}: arguments must be a JSON string", param="messages")
+        call_id = call.get("id")
+        parsed.append(
+            {
+                "id": call_id if isinstance(call_id, str) else "",
+                "type": "function",
+                "function": {"name": function["name"], "arguments": {} if arguments is None else arguments},
+            }
+        )
     return parsed
 
 

@@ -27,20 +27,26 @@ SAMPLING_FIELDS = (
     # Not sampling, but carried with it to the engine; refused unless the pools schedule by it.
     "priority",
 )
-_BOTH = frozenset({"model", "max_tokens", "stream", "stream_options", "cache_salt", "logprobs", *SAMPLING_FIELDS})
+# The output's constraint (router/structured_request.py): OpenAI's field, vLLM's, vLLM's older ones.
+CONSTRAINT_FIELDS = (
+    *("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+    "guided_decoding_backend",
+)
+_BOTH = frozenset(
+    {"model", "max_tokens", "stream", "stream_options", "cache_salt", "logprobs", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS}
+)
 HONOURED: dict[RequestKind, frozenset[str]] = {
     "completion": _BOTH | {"prompt", "echo"},
     "chat": _BOTH
     | {"messages", "max_completion_tokens", "top_logprobs"}
-    | {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
+    | {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+    | {"tools", "tool_choice", "parallel_tool_calls"},  # router/tool_request.py
 }
 HARMLESS = frozenset(
     {
         *("user", "metadata", "store", "service_tier", "safety_identifier"),
         # OpenAI's hints for its own prompt cache; this server's prefix cache needs none.
         *("prompt_cache_key", "prompt_cache_options", "prompt_cache_retention"),
-        # vLLM ignores it too: the model decides whether its calls come in parallel.
-        "parallel_tool_calls",
         # Only a reasoning parser acts on it, and this server has none: the text is never split.
         "include_reasoning",
     }
@@ -63,19 +69,12 @@ def _is(*no_ops: Any) -> Callable[[Any], bool]:
 # Refused on both endpoints unless at their no-op value: name -> whether a value is a no-op.
 _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
     "best_of": _is(1),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "use_beam_search": _is(False),
     "length_penalty": _is(1.0, 1),
     "spaces_between_special_tokens": _is(True),
     "truncate_prompt_tokens": _absent,
     "allowed_token_ids": _absent,
     "bad_words": _empty,
-    "structured_outputs": _absent,
-    "guided_json": _absent,
-    "guided_regex": _absent,
-    "guided_choice": _absent,
-    "guided_grammar": _absent,
-    "guided_decoding_backend": _absent,
     "guided_whitespace_pattern": _absent,
     "structural_tag": _absent,
     "logits_processors": _empty,
@@ -87,10 +86,8 @@ _REFUSED_BOTH: dict[str, Callable[[Any], bool]] = {
     # One endpoint's fields sent to the other are refused too: the client meant them.
     "suffix": _empty,
     "prompt_embeds": _empty,
-    "tools": _empty,
+    # OpenAI's deprecated spelling of tools and tool_choice (vLLM refuses it too).
     "functions": _empty,
-    # Without tools, "auto" answers in text, as vLLM does; anything else asks for a tool call.
-    "tool_choice": _is("none", "auto"),
     "function_call": _is("none", "auto"),
     "documents": _empty,
     "chat_template": _absent,
@@ -108,6 +105,9 @@ REFUSED: dict[RequestKind, dict[str, Callable[[Any], bool]]] = {
     # completions, the chat template's alone on chat.
     "completion": {
         **_REFUSED_BOTH,
+        "tools": _empty,
+        "tool_choice": _is("none", "auto"),
+        "parallel_tool_calls": _absent,
         "add_special_tokens": _is(True),
         "add_generation_prompt": _is(True),
         "continue_final_message": _is(False),
@@ -118,6 +118,9 @@ REFUSED: dict[RequestKind, dict[str, Callable[[Any], bool]]] = {
 }
 # Why a refused field is refused, where its name alone does not say what to do instead.
 HINTS = {
+    "functions": "send them as tools",
+    "function_call": "send it as tool_choice",
+    "tools": "tools are a chat field: use /v1/chat/completions",
     "request_id": "send the request's id as the X-Request-Id header",
     "echo": "only /v1/completions echoes the prompt",
     "chat_template": "this server applies its own chat template (the model's, or pdserve serve --chat-template)",

@@ -23,8 +23,18 @@ from common.serving import StreamDelta
 from router import openai_bodies as bodies
 from router.http_edge import error_response, failed
 from router.intake import Intake
+from router.tool_calling import ToolCalling, finish_reason_with_calls
+from router.tool_parsers.base import StreamPiece, ToolStreamer
 
 logger = logging.getLogger("pdserve.router")
+
+
+def _tool_piece(tools: ToolStreamer, text: str, finished: bool) -> StreamPiece:
+    piece = tools.feed(text) if text else StreamPiece()
+    if not finished:
+        return piece
+    end = tools.finish()
+    return StreamPiece(piece.content + end.content, piece.tool_calls + end.tool_calls)
 
 
 async def chain(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
@@ -45,6 +55,8 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False  # streaming: its first chunk (role, echoed prompt) is out
     offset: int = 0  # streaming completions: where its next token's text starts
+    tools: ToolStreamer | None = None  # streaming chat with tools: reads its calls out of its text
+    num_calls: int = 0  # streaming: tool calls sent
 
 
 def _scores_missing(intake: Intake, choices: dict[int, _Choice], leaders) -> bool:
@@ -55,10 +67,25 @@ def _scores_missing(intake: Intake, choices: dict[int, _Choice], leaders) -> boo
 
 
 class ResponseWriter:
-    def __init__(self, served_model: str, decode: Callable[[list[int]], str]) -> None:
-        """``decode``: token ids to text (the tokenizer's, special tokens kept)."""
+    def __init__(
+        self, served_model: str, decode: Callable[[list[int]], str], tool_calling: ToolCalling | None = None
+    ) -> None:
+        """``decode``: token ids to text (the tokenizer's, special tokens kept); ``tool_calling``:
+        how an answer's tool calls are read (router/tool_calling.py)."""
         self.served_model = served_model
         self.decode = decode
+        self.tool_calling = tool_calling or ToolCalling(None)
+
+    def _chat_choice(self, intake: Intake, index: int, choice: _Choice) -> dict[str, Any]:
+        text, logprobs = "".join(choice.text), self._logprobs(intake, choice.logprobs, 0)
+        use = intake.parsed.tools
+        reader = self.tool_calling.reader(use) if use is not None else None
+        if reader is None or choice.finish_reason is None:
+            return bodies.chat_choice(index, text, choice.finish_reason, logprobs)
+        assert use is not None
+        parsed = reader.parse(text, use.names)
+        finish = finish_reason_with_calls(use, len(parsed.tool_calls), choice.finish_reason)
+        return bodies.chat_choice(index, parsed.content, finish, logprobs, parsed.tool_calls)
 
     def _token_text(self, token_id: int) -> str:
         return self.decode([token_id])
@@ -122,10 +149,7 @@ class ResponseWriter:
                 response_id,
                 model,
                 created,
-                [
-                    bodies.chat_choice(i, "".join(c.text), c.finish_reason, self._logprobs(intake, c.logprobs, 0))
-                    for i, c in choices.items()
-                ],
+                [self._chat_choice(intake, i, c) for i, c in choices.items()],
                 usage,
                 self._prompt_logprobs(intake, 0, choices[0].prompt_scores),
             )
@@ -178,14 +202,25 @@ class ResponseWriter:
                 logprobs = self._logprobs(intake, delta.logprobs or [], choice.offset)
                 choice.offset += len(delta.new_text)
                 if chat:
+                    content, calls = delta.new_text, ()
+                    if choice.tools is not None:
+                        piece = _tool_piece(choice.tools, delta.new_text, finish is not None)
+                        content, calls = piece.content, piece.tool_calls
+                        choice.num_calls += sum(1 for call in calls if call.id is not None)
+                        if finish is not None:
+                            assert parsed.tools is not None
+                            finish = finish_reason_with_calls(parsed.tools, choice.num_calls, finish)
+                        if not content and not calls and finish is None and not logprobs:
+                            continue  # held back: it may be a call's start
                     chunk = bodies.chat_chunk(
                         response_id,
                         model,
                         created,
-                        content=delta.new_text,
+                        content=content if content or not calls else None,
                         finish_reason=finish,
                         logprobs=logprobs,
                         index=index,
+                        tool_calls=calls,
                     )
                 else:
                     chunk = bodies.completion_chunk(
@@ -217,6 +252,11 @@ class ResponseWriter:
         """A choice's first chunk, before its first token's: chat's role; completions' echoed prompt
         (with its logprobs, and prompt_logprobs: ``scores``)."""
         if intake.parsed.kind == "chat":
+            use = intake.parsed.tools
+            reader = self.tool_calling.reader(use) if use is not None else None
+            if reader is not None:
+                assert use is not None
+                choice.tools = reader.streamer(use.names)
             chunk = bodies.chat_chunk(response_id, model, created, role="assistant", content="", index=index)
             prompt_logprobs = self._prompt_logprobs(intake, index, scores)
             if prompt_logprobs is not None:

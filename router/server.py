@@ -57,7 +57,9 @@ from router.planner_loop import PlannerLoop
 from router.protocol import RequestKind
 from router.remote_prefill import RemotePrefillEstimator
 from router.responses import ResponseWriter
+from router.structured_request import ConstraintLimits
 from router.tokenizer_routes import TokenizerRoutes
+from router.tool_calling import ToolCalling
 
 logger = logging.getLogger("pdserve.router")
 # A request body is read whole before parsing: this bounds what one client can make the router hold.
@@ -107,6 +109,8 @@ class RouterServer:
         priority_scheduling: bool = False,
         kv_load_failure_policy: str = "recompute",
         chat_template: str | None = None,
+        constraint_limits: tuple[int, int] | None = None,
+        tool_calling: tuple[str, bool] = ("auto", True),
         ssl_keyfile: str | None = None,
         ssl_certfile: str | None = None,
         access_log: bool = False,
@@ -135,9 +139,11 @@ class RouterServer:
             max_choices=max_n,
             sampling_defaults=sampling_defaults(model_dir),
             priority_scheduling=priority_scheduling,
+            tool_calling=ToolCalling.configure(*tool_calling, self.tokenizer.chat_template),
+            constraint_limits=ConstraintLimits(*constraint_limits) if constraint_limits else ConstraintLimits(),
         )
         self.intake.start()
-        self.responses = ResponseWriter(served_model, self.tokenizer.decode)
+        self.responses = ResponseWriter(served_model, self.tokenizer.decode, self.intake.tool_calling)
         from router.routing_state import latest_reports, placement, takes_requests
 
         self.metrics = RouterMetrics(mode, served_model, reports=latest_reports)

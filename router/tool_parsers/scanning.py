@@ -95,7 +95,9 @@ class ScannedParser(ToolParser):
         pieces = (streamer.feed(text), streamer.finish())
         content = "".join(piece.content for piece in pieces)
         calls = tuple(
-            ToolCall(delta.id or "", delta.name or "", delta.arguments) for piece in pieces for delta in piece.tool_calls
+            ToolCall(delta.id or "", delta.name or "", delta.arguments)
+            for piece in pieces
+            for delta in piece.tool_calls
         )
         return ParsedOutput(content or None, calls)
 

@@ -1,0 +1,1 @@
+"""Chat templates shipped with pdserve (data files)."""
