@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -1136,3 +1137,206 @@ def test_a_decode_tp_shard_killed_mid_stream_resumes_every_stream_once_serve_rep
     cluster.wait_healthy()
     cluster.wait_idle(timeout_s=60)
     assert complete(client(cluster), PROMPTS[0], stream=True) == expected(PROMPTS[0])
+
+
+# --- structured outputs and tool calls ----------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "languages": {"type": "array", "items": {"type": "string", "enum": ["en", "fr", "pt"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 32}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 16}},
+            "required": ["zone"],
+        },
+    },
+}
+
+
+def streamed_tool_calls(stream) -> tuple[str, list[dict], str | None]:
+    """A streamed chat answer's content, its tool calls reassembled from their deltas, and its finish."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def check_structured_outputs_and_tools(cluster: LocalCluster) -> None:
+    """A json_schema answer validates, greedy and sampled, streamed and not; a regex, a choice and a
+    grammar hold; tool_choice required and named always give a call that validates, streamed as
+    the same call; a full round trip (call, tool message, answer) goes through the openai client;
+    bad constraints are 400s that name their field; nothing is left held."""
+    import jsonschema
+
+    api = client(cluster)
+    ask = [{"role": "user", "content": "Describe a person as JSON: name, age, languages."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for temperature, seed in ((0.0, None), (1.0, 5), (1.0, 6)):
+        answer = api.chat.completions.create(
+            model=MODEL, messages=ask, response_format=schema_format, max_tokens=120, temperature=temperature, seed=seed
+        )
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+        streamed = api.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            response_format=schema_format,
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+            stream=True,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        if temperature == 0.0:
+            assert text == answer.choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)
+    paris = [{"role": "user", "content": "Give a JSON object with the keys city and country for Paris."}]
+    plain = api.chat.completions.create(
+        model=MODEL, messages=paris, response_format={"type": "json_object"}, max_tokens=60, temperature=0
+    )
+    assert plain.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+
+    phone = api.completions.create(
+        model=MODEL,
+        prompt="My phone number is",
+        max_tokens=20,
+        temperature=0.8,
+        seed=3,
+        extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
+    )
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.choices[0].text)
+    mood = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Happy or sad?"}],
+        max_tokens=5,
+        extra_body={"guided_choice": ["happy", "sad", "neither"]},
+    )
+    assert mood.choices[0].message.content in ("happy", "sad", "neither")
+    counted = api.completions.create(
+        model=MODEL,
+        prompt="Count:",
+        max_tokens=30,
+        extra_body={"structured_outputs": {"grammar": 'root ::= "one, " item ", " item\nitem ::= "two" | "three"'}},
+    )
+    assert re.fullmatch(r"one, (two|three), (two|three)", counted.choices[0].text)
+
+    weather_args = WEATHER["function"]["parameters"]
+    question = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for stream in (False, True):
+            # One call at most: a sampled list of calls may run past max_tokens (then it is content).
+            params = dict(
+                model=MODEL,
+                messages=question,
+                tools=[WEATHER, TIME],
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                max_tokens=80,
+            )
+            if stream:
+                content, calls, finish = streamed_tool_calls(api.chat.completions.create(**params, stream=True))
+            else:
+                message = api.chat.completions.create(**params).choices[0]
+                finish, content = message.finish_reason, message.message.content
+                assert message.message.tool_calls, message
+                calls = [
+                    {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                    for c in message.message.tool_calls
+                ]
+            assert not content and calls and all(call["id"] for call in calls)
+            assert finish == ("tool_calls" if choice == "required" else "stop")
+            for call in calls:
+                assert call["name"] in ("get_weather", "get_time")
+                if call["name"] == "get_weather":
+                    jsonschema.validate(json.loads(call["arguments"]), weather_args)
+            if choice != "required":
+                assert [call["name"] for call in calls] == ["get_weather"]
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = api.chat.completions.create(
+        model=MODEL, messages=question, tools=[WEATHER], tool_choice=named, max_tokens=80, temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    _, streamed_calls, _ = streamed_tool_calls(
+        api.chat.completions.create(
+            model=MODEL,
+            messages=question,
+            tools=[WEATHER],
+            tool_choice=named,
+            max_tokens=80,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert [(c["name"], c["arguments"]) for c in streamed_calls] == [(call.function.name, call.function.arguments)]
+    history = [*question, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
+    final = api.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=30, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.choices[0].message.content or final.choices[0].message.tool_calls
+
+    bad = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema",
+        ),
+        ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs.regex"),
+        ({"extra_body": {"guided_grammar": "root ::= missing"}}, "guided_grammar"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(40)}}},
+            "response_format.json_schema.schema",
+        ),
+    ]
+    for fields, param in bad:
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model=MODEL, messages=question, max_tokens=8, **fields)
+        assert refused.value.body["param"] == param, refused.value.body
+    cluster.wait_idle()
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_disaggregated_structured_outputs_and_tool_calls(cluster):
+    cluster.ensure(**TCP_TRACED)  # the prefill replica samples the first token, decode resumes its matcher
+    check_structured_outputs_and_tools(cluster)
+
+
+def test_colocated_structured_outputs_and_tool_calls(cluster):
+    cluster.ensure(**COLOCATED)
+    check_structured_outputs_and_tools(cluster)
