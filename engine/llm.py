@@ -106,6 +106,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(batch):
                 raise ValueError(f"{len(params_list)} sampling params for {len(batch)} prompts")
+        for params in params_list:  # a constraint that does not compile is refused before anything runs
+            if params.structured_output is not None:
+                params.structured_output.grammar()
         # n > 1: each choice is a request of its own (its prompt's blocks come from the prefix cache).
         work = [
             (f"offline-{next(self._ids)}", prompt, params.for_choice(i, score_prompt=i == 0))

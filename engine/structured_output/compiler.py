@@ -15,7 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.structured_outputs import StructuredOutput
+import torch
+
+from common.structured_outputs import ConstraintKind, StructuredOutput
 
 DEFAULT_CACHE_SIZE = 128
 
@@ -45,6 +47,8 @@ class GrammarCompilerPool:
         self._lock = threading.Lock()  # the cache is touched by the engine's thread and the worker's
         self._executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="grammar-compile")
         self._compiler: Any = None
+        # JSON constraints' token filters (see json_filter), made with the compiler.
+        self._json_filters: dict[bool, torch.Tensor] = {}
         self.stats = CompileStats()
 
     def submit(self, constraint: StructuredOutput) -> concurrent.futures.Future:
@@ -79,9 +83,22 @@ class GrammarCompilerPool:
             import xgrammar as xgr
 
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
+            self._json_filters = _json_filters(info.decoded_vocab, self._vocab_size)
             # Our own cache above bounds what is kept; xgrammar's would keep a second copy.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+    def json_filter(self, constraint: StructuredOutput) -> torch.Tensor | None:
+        """The tokens a JSON constraint's output may hold whatever its grammar allows, as mask words
+        to AND into its masks (None: no filter). xgrammar 0.2.9 lets a string with a maxLength
+        hold raw control characters (its character class there is ``[^"\\\r\n]``, where an
+        unbounded string's is ``[^\0-\x1f"\\\r\n]``), which no JSON parser reads: a random-weight
+        model wrote a NUL there. Compact JSON has no control character anywhere; JSON with free
+        whitespace may have tab, newline and carriage return between its tokens. Ready once any
+        grammar of this pool is."""
+        if constraint.kind not in (ConstraintKind.JSON, ConstraintKind.JSON_OBJECT):
+            return None
+        return self._json_filters.get(constraint.any_whitespace)
 
     @property
     def cache_size(self) -> int:
@@ -89,3 +106,24 @@ class GrammarCompilerPool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _json_filters(decoded_vocab: list[bytes], vocab_size: int) -> dict[bool, torch.Tensor]:
+    """{any_whitespace: mask words allowing every token without a control character (tab, newline
+    and carriage return allowed when any_whitespace)}."""
+    whitespace = {0x09, 0x0A, 0x0D}
+    filters = {}
+    for any_whitespace in (False, True):
+        allowed = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
+        for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
+            if any(byte < 0x20 and not (any_whitespace and byte in whitespace) for byte in raw):
+                allowed[token_id] = False
+        filters[any_whitespace] = pack_bits(allowed)
+    return filters
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool vector (a multiple of 32 long) as xgrammar's int32 mask words: bit j of word w is token 32w + j."""
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    words = bits.sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

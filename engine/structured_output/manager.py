@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from common.structured_outputs import StructuredOutput
 from engine.request import PLACEHOLDER_TOKEN, Request
 from engine.structured_output.compiler import GrammarCompilerPool
 
@@ -42,7 +43,9 @@ class ConstraintEnd:
 @dataclass(slots=True)
 class _RequestGrammar:
     future: concurrent.futures.Future
+    constraint: StructuredOutput
     stop_token_ids: list[int]
+    token_filter: torch.Tensor | None  # mask words ANDed into every mask (GrammarCompilerPool.json_filter)
     matcher: Any = None
     num_accepted: int = 0  # output tokens the matcher has taken
 
@@ -64,7 +67,7 @@ class StructuredOutputManager:
             return
         stops = set(params.stop_token_ids) if params.ignore_eos else {*request.eos_token_ids, *params.stop_token_ids}
         future = self.compilers.submit(params.structured_output)
-        self._grammars[request.request_id] = _RequestGrammar(future, sorted(stops))
+        self._grammars[request.request_id] = _RequestGrammar(future, params.structured_output, sorted(stops), None)
         if not future.done():
             self._pending.add(request.request_id)
 
@@ -117,6 +120,8 @@ class StructuredOutputManager:
                 bitmask[slot].zero_()  # nothing allowed: advance() ends the request on its token
             else:
                 grammar.matcher.fill_next_token_bitmask(bitmask, slot)
+                if grammar.token_filter is not None:
+                    bitmask[slot] &= grammar.token_filter
         self.num_constrained_tokens += len(rows)
         return TokenMask(bitmask, rows)
 
@@ -152,6 +157,7 @@ class StructuredOutputManager:
             import xgrammar as xgr
 
             assert grammar.future.done(), "a request is scheduled before its grammar compiled"
+            grammar.token_filter = self.compilers.json_filter(grammar.constraint)
             grammar.matcher = xgr.GrammarMatcher(
                 grammar.future.result(),
                 override_stop_tokens=grammar.stop_token_ids or None,

@@ -166,11 +166,10 @@ def test_bad_messages(messages):
     [
         ("best_of", 2),
         ("best_of", True),
-        ("guided_json", {"type": "object"}),
+        ("guided_whitespace_pattern", " "),
         ("suffix", "end"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("functions", [{"name": "f"}]),
-        ("response_format", {"type": "json_object"}),
+        ("logits_processors", ["module:factory"]),
     ],
 )
 def test_unsupported_fields_named(field, value):
@@ -385,7 +384,7 @@ def test_chat_messages_roles_and_content_parts():
         {"role": "system", "content": "a\nb"},
         {"role": "user", "content": "q", "name": "ann"},
         {"role": "assistant", "content": "x"},
-        {"role": "tool", "content": ""},
+        {"role": "tool", "content": "", "tool_call_id": "t1"},
     ]
 
 

@@ -101,6 +101,7 @@ ASKING = {
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}],
     "tool_choice": "required",
+    "parallel_tool_calls": False,
     "function_call": {"name": "f"},
     "add_generation_prompt": False,
     "continue_final_message": True,
