@@ -170,6 +170,13 @@ class ReplicaReport:
     num_kv_transfer_failures: int = 0
     num_steps: int = 0  # forward passes run
     num_steps_ahead: int = 0  # of those, queued before the one before them was read (async scheduling)
+    # Constrained decoding (engine/structured_output): grammars compiled and their seconds, compiles
+    # a cached grammar spared, tokens sampled under a mask, requests a constraint ended at a dead end.
+    num_grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    num_grammar_cache_hits: int = 0
+    num_constrained_tokens: int = 0
+    num_constraint_dead_ends: int = 0
 
     @property
     def kv_usage(self) -> float:

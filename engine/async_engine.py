@@ -405,4 +405,5 @@ def load_report(engine: LLMEngine) -> dict[str, Any]:
         "num_steps_ahead": engine.num_steps_ahead,
         "num_prefill_tokens_queued": engine.scheduler.num_prefill_tokens_queued(),
         "prefill_tokens_per_s": engine.prefill_tokens_per_s,
+        **engine.grammars.report(),
     }

@@ -20,4 +20,9 @@ def gen_ai_attributes(operation: str, model: str, parsed: ParsedRequest, request
         attributes["gen_ai.request.seed"] = sampling.seed
     if sampling.n != 1:  # each choice's span carries it, with its own pdserve.choice.index
         attributes["gen_ai.request.choice.count"] = sampling.n
+    if sampling.structured_output is not None:  # its kind only: a schema may hold the client's data
+        attributes["pdserve.constraint.kind"] = sampling.structured_output.kind.value
+    if parsed.tools is not None:
+        attributes["pdserve.tool_choice"] = parsed.tools.choice
+        attributes["pdserve.tools.count"] = len(parsed.tools.functions)
     return attributes

@@ -297,6 +297,11 @@ _REPLICA_COUNTERS = (
         "num_steps_ahead",
         "Of those, queued before the step before them was read (async scheduling; near all on a busy GPU).",
     ),
+    ("pdserve:grammar_compiles", "num_grammar_compiles", "Output constraints compiled (grammar cache misses)."),
+    ("pdserve:grammar_compile_seconds", "grammar_compile_seconds", "Seconds spent compiling output constraints."),
+    ("pdserve:grammar_cache_hits", "num_grammar_cache_hits", "Output constraints served from the grammar cache."),
+    ("pdserve:constrained_tokens", "num_constrained_tokens", "Tokens sampled under an output constraint's mask."),
+    ("pdserve:constraint_dead_ends", "num_constraint_dead_ends", "Requests a constraint stopped at a dead end."),
 )
 
 

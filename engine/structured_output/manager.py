@@ -61,6 +61,17 @@ class StructuredOutputManager:
         self.num_constrained_tokens = 0  # tokens sampled under a mask, since start
         self.num_dead_ends = 0
 
+    def report(self) -> dict[str, int | float]:
+        """The counters of a replica's report (common.serving.ReplicaReport)."""
+        stats = self.compilers.stats
+        return {
+            "num_grammar_compiles": stats.num_misses,
+            "grammar_compile_seconds": stats.compile_seconds_total,
+            "num_grammar_cache_hits": stats.num_hits,
+            "num_constrained_tokens": self.num_constrained_tokens,
+            "num_constraint_dead_ends": self.num_dead_ends,
+        }
+
     def add(self, request: Request) -> None:
         params = request.sampling_params
         if params.structured_output is None:

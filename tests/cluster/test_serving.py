@@ -1176,6 +1176,12 @@ TIME = {
 }
 
 
+GRAMMAR_COUNTERS = (
+    *("pdserve:grammar_compiles_total", "pdserve:grammar_cache_hits_total"),
+    *("pdserve:constrained_tokens_total", "pdserve:grammar_compile_seconds_total"),
+)
+
+
 def streamed_tool_calls(stream) -> tuple[str, list[dict], str | None]:
     """A streamed chat answer's content, its tool calls reassembled from their deltas, and its finish."""
     content, calls, finish = "", {}, None
@@ -1324,6 +1330,18 @@ def check_structured_outputs_and_tools(cluster: LocalCluster) -> None:
         assert refused.value.body["param"] == param, refused.value.body
     cluster.wait_idle()
 
+    # Compiles, cache hits and masked tokens reach /metrics from the replicas' reports (each
+    # second): the person schema went out six times, so its later requests hit the cache.
+    deadline = time.monotonic() + 15
+    while True:
+        samples = scrape(cluster)
+        figures = {name: sum(by_pool(samples, name).values()) for name in GRAMMAR_COUNTERS}
+        if all(figures.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(figures.values()), figures
+    assert figures["pdserve:constrained_tokens_total"] >= 100
+
 
 def _nested(depth: int) -> dict:
     schema: dict = {"type": "object"}
@@ -1335,6 +1353,12 @@ def _nested(depth: int) -> dict:
 def test_disaggregated_structured_outputs_and_tool_calls(cluster):
     cluster.ensure(**TCP_TRACED)  # the prefill replica samples the first token, decode resumes its matcher
     check_structured_outputs_and_tools(cluster)
+    # The request's span names the constraint's kind and the tool choice, never the schema.
+    spans = [json.loads(line) for line in TRACE_FILE.read_text().splitlines()]
+    kinds = {s["attributes"].get("pdserve.constraint.kind") for s in spans} - {None}
+    assert {"json", "json_object", "regex", "choice", "grammar"} <= kinds
+    assert {"required", "function"} <= {s["attributes"].get("pdserve.tool_choice") for s in spans}
+    assert '"languages"' not in TRACE_FILE.read_text() and "maxLength" not in TRACE_FILE.read_text()
 
 
 def test_colocated_structured_outputs_and_tool_calls(cluster):
