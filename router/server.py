@@ -139,7 +139,9 @@ class RouterServer:
             max_choices=max_n,
             sampling_defaults=sampling_defaults(model_dir),
             priority_scheduling=priority_scheduling,
-            tool_calling=ToolCalling.configure(*tool_calling, self.tokenizer.chat_template),
+            tool_calling=ToolCalling.configure(
+                *tool_calling, self.tokenizer.chat_template, frozenset(self.tokenizer.all_special_tokens)
+            ),
             constraint_limits=ConstraintLimits(*constraint_limits) if constraint_limits else ConstraintLimits(),
         )
         self.intake.start()

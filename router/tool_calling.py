@@ -33,9 +33,9 @@ from router.tool_parsers.base import (
 )
 from router.tool_request import ToolUse
 
-# Formats whose markers are special tokens: the answer is decoded with them kept, or the parser
-# would never see a call.
-_MARKERS_ARE_SPECIAL = frozenset({"mistral", "llama3_json"})
+# Each format's markers: where the tokenizer has one as a special token, answers are decoded with
+# special tokens kept, or the parser would never see a call (vLLM does so for Mistral's).
+_MARKERS = {"mistral": ("[TOOL_CALLS]", "[ARGS]"), "llama3_json": ("<|python_tag|>",), "hermes": ("<tool_call>",)}
 
 
 def hermes_template() -> str:
@@ -51,17 +51,26 @@ class ToolCalling:
 
     parser: ToolParser | None
     template: str | None = None
+    keep_special_tokens: bool = False  # the parser's markers are special tokens of the tokenizer
 
     @classmethod
-    def configure(cls, parser_name: str | None, enable_auto: bool, model_template: str | None) -> ToolCalling:
-        """``parser_name`` "auto": the model's template says which (hermes where it says nothing)."""
+    def configure(
+        cls,
+        parser_name: str | None,
+        enable_auto: bool,
+        model_template: str | None,
+        special_tokens: frozenset[str] = frozenset(),
+    ) -> ToolCalling:
+        """``parser_name`` "auto": the model's template says which (hermes where it says nothing);
+        ``special_tokens``: the tokenizer's."""
         name = parser_name
         if name == "auto":
             name = detect_parser(model_template) or "hermes"
         parser = get_parser(name) if name and enable_auto else None
         shows_tools = model_template is not None and "tools" in model_template
         template = None if shows_tools or (parser is not None and parser.name != "hermes") else hermes_template()
-        return cls(parser, template)
+        keep = parser is not None and any(marker in special_tokens for marker in _MARKERS.get(parser.name, ()))
+        return cls(parser, template, keep)
 
     def constrain(self, use: ToolUse, structured: StructuredOutput | None) -> StructuredOutput | None:
         """The answer's constraint under ``use.choice``; refuses what cannot be served."""
@@ -87,8 +96,7 @@ class ToolCalling:
         """The request's sampling for its answer to be read: the constraint, and special tokens kept
         where the parser's markers are special tokens."""
         constraint = self.constrain(use, sampling.structured_output)
-        keep_special = use.choice == "auto" and self.parser is not None and self.parser.name in _MARKERS_ARE_SPECIAL
-        skip = sampling.skip_special_tokens and not keep_special
+        skip = sampling.skip_special_tokens and not (use.choice == "auto" and self.keep_special_tokens)
         return dataclasses.replace(sampling, structured_output=constraint, skip_special_tokens=skip)
 
     def reader(self, use: ToolUse) -> ToolParser | None:

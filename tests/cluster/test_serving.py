@@ -735,7 +735,14 @@ def test_the_router_killed_mid_stream_cuts_its_clients_and_the_pools_drop_their_
 # --- colocated: one deployment of 2 replicas for every colocated test ---------------------------
 # Room for a 1,000-token stream beside the prompts (32 MiB of float32 KV holds ~700 tokens); a
 # stream interval of 4 changes chunking only, which the greedy checks compare as whole texts.
-COLOCATED = {"mode": "colocated", "kv_cache_memory": 96 * 2**20, "colocated.replicas": 2, "stream_interval": 4}
+# Tool calls under "auto" read as Llama 3's JSON: the one format the default model writes unasked.
+COLOCATED = {
+    "mode": "colocated",
+    "kv_cache_memory": 96 * 2**20,
+    "colocated.replicas": 2,
+    "stream_interval": 4,
+    "tool_call_parser": "llama3_json",
+}
 
 
 def test_colocated_greedy_matches_transformers(cluster, expected):
@@ -1197,7 +1204,7 @@ def streamed_tool_calls(stream) -> tuple[str, list[dict], str | None]:
     return content, [calls[i] for i in sorted(calls)], finish
 
 
-def check_structured_outputs_and_tools(cluster: LocalCluster) -> None:
+def check_structured_outputs_and_tools(cluster: LocalCluster, parser: str) -> None:
     """A json_schema answer validates, greedy and sampled, streamed and not; a regex, a choice and a
     grammar hold; tool_choice required and named always give a call that validates, streamed as
     the same call; a full round trip (call, tool message, answer) goes through the openai client;
@@ -1289,6 +1296,31 @@ def check_structured_outputs_and_tools(cluster: LocalCluster) -> None:
             if choice != "required":
                 assert [call["name"] for call in calls] == ["get_weather"]
 
+    # tool_choice auto: hermes (the default model's template shows no tools, so the router shows
+    # them the Hermes way) answers this in text; as Llama 3's JSON, the model starts an object, and
+    # the structural tag makes it a call to a tool with arguments that validate.
+    auto = dict(model=MODEL, tools=[WEATHER], max_tokens=60, temperature=0)
+    if parser == "hermes":
+        message = api.chat.completions.create(messages=question, **auto).choices[0]
+        assert (
+            message.finish_reason in ("stop", "length") and message.message.content and not message.message.tool_calls
+        )
+    else:
+        asked = [
+            {"role": "system", "content": "Reply in JSON only."},  # its first token: "{" by 0.5 nats over "```"
+            {"role": "user", "content": "Give a JSON object with the keys city and country for Paris."},
+        ]
+        message = api.chat.completions.create(messages=asked, **auto).choices[0]
+        assert message.finish_reason == "tool_calls" and not message.message.content, message
+        (call,) = message.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), weather_args)
+        _, streamed, finish = streamed_tool_calls(api.chat.completions.create(messages=asked, **auto, stream=True))
+        assert finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+            ("get_weather", json.loads(call.function.arguments))
+        ]
+
     named = {"type": "function", "function": {"name": "get_weather"}}
     first = api.chat.completions.create(
         model=MODEL, messages=question, tools=[WEATHER], tool_choice=named, max_tokens=80, temperature=0
@@ -1352,7 +1384,7 @@ def _nested(depth: int) -> dict:
 
 def test_disaggregated_structured_outputs_and_tool_calls(cluster):
     cluster.ensure(**TCP_TRACED)  # the prefill replica samples the first token, decode resumes its matcher
-    check_structured_outputs_and_tools(cluster)
+    check_structured_outputs_and_tools(cluster, "hermes")
     # The request's span names the constraint's kind and the tool choice, never the schema.
     spans = [json.loads(line) for line in TRACE_FILE.read_text().splitlines()]
     kinds = {s["attributes"].get("pdserve.constraint.kind") for s in spans} - {None}
@@ -1363,4 +1395,4 @@ def test_disaggregated_structured_outputs_and_tool_calls(cluster):
 
 def test_colocated_structured_outputs_and_tool_calls(cluster):
     cluster.ensure(**COLOCATED)
-    check_structured_outputs_and_tools(cluster)
+    check_structured_outputs_and_tools(cluster, "llama3_json")
