@@ -16,6 +16,7 @@ leaves mid-tokenizing leaves the job running, and it keeps its place in admissio
 import asyncio
 import dataclasses
 import functools
+import importlib
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -164,6 +165,9 @@ class PromptIntake:
         # Large bodies' JSON and long token-id lists: off the loop, and not queued behind prompts.
         self.parse_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse")
         self.parse_process = ParseProcess(timeout_s=parse_timeout_s)
+        # xgrammar checks every output constraint; its import (~1.7 s) happens here, off the
+        # loop, not in the first constrained request's parse.
+        self.parse_thread.submit(importlib.import_module, "xgrammar")
         self.num_orphaned = 0  # tokenizing jobs whose client left, still running
 
     async def take(self, raw: bytes, kind: RequestKind, tenant: Tenant | None) -> Intake:

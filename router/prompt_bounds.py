@@ -38,6 +38,8 @@ def check_prompt_chars(parsed: ParsedRequest, max_model_len: int, max_token_char
             raise context_length_exceeded(max_model_len, what, "messages")
         # Every string a message carries (content parts, names, tool calls) reaches the template.
         chars = sum(characters(message) for message in parsed.messages)
+        if parsed.tools is not None:  # the template shows them too
+            chars += characters(parsed.tools.as_openai())
         where, param = "characters in its messages", "messages"
     elif isinstance(parsed.prompt, str):
         chars, where, param = len(parsed.prompt), "characters", "prompt"

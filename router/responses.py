@@ -24,7 +24,7 @@ from router import openai_bodies as bodies
 from router.http_edge import error_response, failed
 from router.intake import Intake
 from router.tool_calling import ToolCalling, finish_reason_with_calls
-from router.tool_parsers.base import StreamPiece, ToolStreamer
+from router.tool_parsers.base import StreamPiece, ToolCallDelta, ToolStreamer
 
 logger = logging.getLogger("pdserve.router")
 
@@ -202,7 +202,7 @@ class ResponseWriter:
                 logprobs = self._logprobs(intake, delta.logprobs or [], choice.offset)
                 choice.offset += len(delta.new_text)
                 if chat:
-                    content, calls = delta.new_text, ()
+                    content, calls = delta.new_text, tuple[ToolCallDelta, ...]()
                     if choice.tools is not None:
                         piece = _tool_piece(choice.tools, delta.new_text, finish is not None)
                         content, calls = piece.content, piece.tool_calls

@@ -1396,3 +1396,32 @@ def test_disaggregated_structured_outputs_and_tool_calls(cluster):
 def test_colocated_structured_outputs_and_tool_calls(cluster):
     cluster.ensure(**COLOCATED)
     check_structured_outputs_and_tools(cluster, "llama3_json")
+
+
+def test_a_random_weight_model_s_answers_hold_to_their_schema_served_disaggregated(cluster, tiny_dir):
+    """Constraints must hold whatever the weights: a random-weight model of the real shape, served
+    disaggregated (its prefill replica samples the first token under the constraint), greedy and
+    sampled, streamed and not, through the openai client."""
+    import jsonschema
+
+    cluster.ensure(model=str(tiny_dir), served_model_name=MODEL)
+    api = client(cluster)
+    ask = [{"role": "user", "content": "A person, please."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for temperature, seed in ((0.0, None), (1.3, 1), (1.3, 2)):
+        common = dict(model=MODEL, messages=ask, max_tokens=200, temperature=temperature, seed=seed)
+        answer = api.chat.completions.create(response_format=schema_format, **common).choices[0]
+        assert answer.finish_reason == "stop", answer
+        jsonschema.validate(json.loads(answer.message.content), PERSON)
+        streamed = api.chat.completions.create(response_format=schema_format, stream=True, **common)
+        jsonschema.validate(
+            json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)), PERSON
+        )
+        date = api.chat.completions.create(extra_body={"guided_regex": r"20\d\d-[01]\d-[0-3]\d"}, **common)
+        assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\d", date.choices[0].message.content)
+        call = api.chat.completions.create(tools=[WEATHER], tool_choice="required", **common).choices[0]
+        assert call.finish_reason == "tool_calls" and call.message.tool_calls
+        for tool_call in call.message.tool_calls:
+            assert tool_call.function.name == "get_weather"
+            jsonschema.validate(json.loads(tool_call.function.arguments), WEATHER["function"]["parameters"])
+    cluster.wait_idle()
