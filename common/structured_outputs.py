@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,11 @@ from common.errors import InvalidRequestError
 MAX_SPEC_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_CHOICES = 1024
+# xgrammar turns a JSON schema's "pattern" into grammar rules in time that grows with the square of
+# its repetition counts: "a{2000}" took 0.17 s, "a{50000}" 185 s, holding whoever asked (the
+# router's loop, a replica's compile thread). A constraint's regexes may repeat this much in all,
+# counted as pattern_repeats counts (a group's count multiplies what is inside it).
+MAX_PATTERN_REPEATS = 2048
 
 
 class ConstraintKind(enum.Enum):
@@ -74,6 +80,7 @@ class StructuredOutput:
         import xgrammar as xgr
 
         kind, spec = self.kind, self.spec
+        _check_repeats(self)
         try:
             if kind is ConstraintKind.JSON:
                 return xgr.Grammar.from_json_schema(spec, any_whitespace=self.any_whitespace, strict_mode=True)
@@ -111,6 +118,98 @@ def _first_line(exc: BaseException) -> str:
         if ".cc:" in text.split(": ", 1)[0] and ": " in text:
             text = text.split(": ", 1)[1]
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_repeats(constraint: StructuredOutput) -> None:
+    if constraint.kind is ConstraintKind.REGEX:
+        patterns = [constraint.spec]
+    elif constraint.kind in (ConstraintKind.JSON, ConstraintKind.STRUCTURAL_TAG):
+        try:
+            patterns = list(_patterns(json.loads(constraint.spec)))
+        except (ValueError, RecursionError):
+            return  # xgrammar's parse refuses it by name
+    else:
+        return
+    total = sum(pattern_repeats(pattern) for pattern in patterns)
+    if total > MAX_PATTERN_REPEATS:
+        raise InvalidRequestError(
+            f"the {constraint.kind.value} constraint's regular expressions repeat {total} times in all "
+            f"(counting a{{n}} as n, nested counts multiplied), over this server's limit of {MAX_PATTERN_REPEATS}",
+            param=_FIELD_OF_KIND[constraint.kind],
+        )
+
+
+def _patterns(value: Any):
+    """Every regex a JSON schema holds: "pattern" values and "patternProperties" keys, anywhere."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                yield node["pattern"]
+            if isinstance(node.get("patternProperties"), dict):
+                yield from (key for key in node["patternProperties"] if isinstance(key, str))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+_QUANTIFIER = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def pattern_repeats(pattern: str) -> int:
+    """The repetitions a regex asks for: each counted quantifier ({n}, {n,}, {n,m}) adds its largest
+    count, times the counts of the groups around it. Escapes and character classes are skipped;
+    *, + and ? count once (a grammar rule each, whatever the text's length)."""
+    group_count: dict[int, int] = {}  # a group's opening index -> the count of its quantifier
+    opened: list[int] = []
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "[":
+            i = _class_end(pattern, i)
+            continue
+        if char == "(":
+            opened.append(i)
+        elif char == ")" and opened:
+            start = opened.pop()
+            quantifier = _QUANTIFIER.match(pattern, i + 1)
+            group_count[start] = _largest(quantifier) if quantifier else 1
+        i += 1
+    total, multipliers, i = 0, [1], 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "[":
+            i = _class_end(pattern, i)
+            continue
+        if char == "(":
+            multipliers.append(multipliers[-1] * group_count.get(i, 1))
+        elif char == ")" and len(multipliers) > 1:
+            multipliers.pop()
+        elif char == "{" and (quantifier := _QUANTIFIER.match(pattern, i)):
+            total += _largest(quantifier) * multipliers[-1]
+            i = quantifier.end()
+            continue
+        i += 1
+    return total
+
+
+def _largest(quantifier: re.Match) -> int:
+    low, high = quantifier.group(1), quantifier.group(2)
+    return int(high) if high else int(low)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    i = start + 1
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -32,7 +32,7 @@ from router.fair_queue import FairQueue
 from router.parse_process import ParseProcess
 from router.prompt_bounds import PromptBounds, check_length, check_prompt_chars, check_token_ids
 from router.protocol import ChatTemplateOptions, ParsedRequest, RequestKind
-from router.structured_request import ConstraintLimits
+from router.structured_request import ConstraintLimits, check_tool_constraint
 from router.tool_calling import ToolCalling
 
 # A body or a list of prompt token ids past these is parsed and checked on a thread of its own: a
@@ -174,6 +174,9 @@ class PromptIntake:
         parsed = self.within_max_tokens_limit(await self.parse(raw, kind))
         if parsed.tools is not None:  # the answer's constraint and decoding follow tool_choice
             sampling = self.tool_calling.adjust_sampling(parsed.tools, parsed.sampling)
+            constraint = sampling.structured_output
+            if constraint is not None and constraint is not parsed.sampling.structured_output:
+                check_tool_constraint(constraint, self.constraint_limits)
             parsed = dataclasses.replace(parsed, sampling=sampling)
         if parsed.sampling.priority and not self.priority_scheduling:
             message = "priority is not supported by this server; it schedules first come, first served"

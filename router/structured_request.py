@@ -78,6 +78,19 @@ def parse_constraint(body: dict[str, Any], limits: ConstraintLimits = Constraint
     return constraint
 
 
+def check_tool_constraint(constraint: StructuredOutput, limits: ConstraintLimits) -> None:
+    """The constraint a request's tools make (router/tool_calling.py), held to the same limits and
+    parse as a client's own; a refusal names ``tools``."""
+    try:
+        _check_size(constraint.spec, "tools", limits)
+        if schema_depth(json.loads(constraint.spec), limits.max_depth + 8) > limits.max_depth + 8:
+            # The tools' wrapping (a list of calls, a tag) adds a few levels to their schemas'.
+            raise InvalidRequestError(f"a tool's parameters are nested deeper than {limits.max_depth}", param="tools")
+        constraint.grammar()
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(exc.message, param="tools") from None
+
+
 def _field_sent(name: str, value: Any) -> str:
     if name == "response_format":
         return "response_format.json_schema" if value.get("type") == "json_schema" else name
