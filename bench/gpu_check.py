@@ -144,7 +144,34 @@ def sampler(smol: Path, device: torch.device) -> list[dict]:
         rows.append(
             {"branch": "seeded, alone = in batch", "tokens": len(alone), "ok": alone == outs[-1].outputs[0].token_ids}
         )
+        rows.append(_constrained(llm, prompt))
     return rows
+
+
+def _constrained(llm: LLM, prompt: list[int]) -> dict:
+    """A JSON schema held on the GPU (the token masks applied to CUDA logits), greedy and seeded,
+    by random weights: every answer parses, with the schema's keys and types."""
+    from common.structured_outputs import ConstraintKind, StructuredOutput
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    constraint = StructuredOutput(ConstraintKind.JSON, json.dumps(schema))
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=64, structured_output=constraint) for t in (0.0, 1.0)]
+    parsed = 0
+    for out in llm.generate([prompt] * 2, params, use_tqdm=False):
+        try:
+            value = json.loads(out.outputs[0].text)
+            parsed += set(value) == {"name", "n"} and isinstance(value["n"], int) and isinstance(value["name"], str)
+        except ValueError:
+            pass
+    return {"branch": "json schema (token masks on the GPU)", "tokens": parsed, "ok": parsed == 2}
 
 
 def disagg(smol: Path, device: torch.device, long_tokens: int) -> list[dict]:

@@ -17,8 +17,15 @@ CPU = torch.device("cpu")
 
 def test_the_sampler_check_passes_and_catches_a_seed_that_is_not_kept(smol_dir, tiny_dir, monkeypatch, capsys):
     rows = gpu_check.sampler(tiny_dir, CPU)
-    assert [r["branch"] for r in rows] == [*gpu_check.SAMPLER_BRANCHES, "seeded, alone = in batch"]
+    constrained = "json schema (token masks on the GPU)"
+    assert [r["branch"] for r in rows] == [*gpu_check.SAMPLER_BRANCHES, "seeded, alone = in batch", constrained]
     assert all(r["ok"] for r in rows), rows
+    # Masks that allow every token: a random-weight model's answers do not parse, and the check says so.
+    from engine.structured_output import manager
+
+    monkeypatch.setattr(manager.StructuredOutputManager, "fill_bitmask", lambda self, requests, vocab_size: None)
+    assert not gpu_check.sampler(tiny_dir, CPU)[-1]["ok"]
+    monkeypatch.undo()
     # A generator that forgets its seed: the seeded request differs alone and in a batch.
     counter = iter(range(10**6))
     monkeypatch.setattr(llm_engine, "make_generator", lambda seed, device: make_generator(next(counter), device))
