@@ -726,3 +726,19 @@ def test_the_watchdog_waits_no_longer_than_the_request_s_deadline():
     decode = Silent([{}, {}])
     deltas = run(Orchestrator(decode, FakePrefill([]), request_timeout_s=0.3, inter_token_timeout_s=60), GREEDY)
     assert deltas[-1].finish_reason == "error" and "timed out" in deltas[-1].error
+
+
+def test_a_constrained_stream_fails_over_before_its_first_token_but_is_not_resumed_after_it():
+    # A matcher that restarted from the prompt on another replica would constrain the rest wrongly.
+    from common.structured_outputs import ConstraintKind, StructuredOutput
+
+    constrained = SamplingParams(
+        temperature=0, max_tokens=8, structured_output=StructuredOutput(ConstraintKind.REGEX, "[a-z]+")
+    )
+    decode = FakeDecode([{"die_after": 3}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([])), constrained)
+    assert tokens(deltas) == TOKENS[:3] and len(decode.streams) == 1
+    assert deltas[-1].finish_reason == "error" and "constrained output cannot be resumed" in deltas[-1].error
+    decode = FakeDecode([{"die_after": 0}, {}])
+    deltas = run(Orchestrator(decode, FakePrefill([])), constrained)
+    assert tokens(deltas) == TOKENS[:8] and len(decode.streams) == 2  # nothing sent yet: tried again whole
