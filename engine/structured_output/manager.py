@@ -9,7 +9,6 @@ keeps its place, and no path needs to feed the matcher by hand.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +17,6 @@ import torch
 from common.structured_outputs import StructuredOutput
 from engine.request import PLACEHOLDER_TOKEN, Request
 from engine.structured_output.compiler import GrammarCompilerPool
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
