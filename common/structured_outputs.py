@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,41 +164,35 @@ def pattern_repeats(pattern: str) -> int:
     *, + and ? count once (a grammar rule each, whatever the text's length)."""
     group_count: dict[int, int] = {}  # a group's opening index -> the count of its quantifier
     opened: list[int] = []
-    i = 0
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "[":
-            i = _class_end(pattern, i)
-            continue
+    for i, char in _structure(pattern):
         if char == "(":
             opened.append(i)
         elif char == ")" and opened:
-            start = opened.pop()
             quantifier = _QUANTIFIER.match(pattern, i + 1)
-            group_count[start] = _largest(quantifier) if quantifier else 1
-        i += 1
-    total, multipliers, i = 0, [1], 0
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "[":
-            i = _class_end(pattern, i)
-            continue
+            group_count[opened.pop()] = _largest(quantifier) if quantifier else 1
+    total, multipliers = 0, [1]
+    for i, char in _structure(pattern):
         if char == "(":
             multipliers.append(multipliers[-1] * group_count.get(i, 1))
         elif char == ")" and len(multipliers) > 1:
             multipliers.pop()
         elif char == "{" and (quantifier := _QUANTIFIER.match(pattern, i)):
             total += _largest(quantifier) * multipliers[-1]
-            i = quantifier.end()
-            continue
-        i += 1
     return total
+
+
+def _structure(pattern: str) -> Iterator[tuple[int, str]]:
+    """Each character of a regex that is not escaped nor in a character class, with its index."""
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+        elif char == "[":
+            i = _class_end(pattern, i)
+        else:
+            yield i, char
+            i += 1
 
 
 def _largest(quantifier: re.Match) -> int:
