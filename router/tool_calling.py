@@ -205,7 +205,8 @@ class _WholeAnswerStreamer(ToolStreamer):
     """Holds the answer and gives its calls when it ends (each call whole, in one delta)."""
 
     def __init__(self, parser: ToolParser, tool_names: frozenset[str]) -> None:
-        self.parser, self.tool_names, self.text = parser, tool_names, []
+        self.parser, self.tool_names = parser, tool_names
+        self.text: list[str] = []
 
     def feed(self, delta_text: str) -> StreamPiece:
         self.text.append(delta_text)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.tool_parsers.base import json_schema_format, openai_call_id, tool_functions
+from router.tool_parsers.base import json_schema_format, tool_functions
 from router.tool_parsers.scanning import Event, ScannedParser, Scanner, call_from_object, loads, partial_marker_len
 
 OPEN = "<tool_call>"
@@ -74,11 +74,7 @@ class HermesScanner(Scanner):
 class HermesParser(ScannedParser):
     name = "hermes"
 
-    def scanner(self, tool_names: frozenset[str]) -> Scanner:
-        return HermesScanner(tool_names)
-
-    def new_call_id(self) -> str:
-        return openai_call_id()
+    scanner_class = HermesScanner
 
     def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """Qwen's own layout (xgrammar's "qwen_3" builtin without its reasoning part)::

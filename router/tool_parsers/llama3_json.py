@@ -22,7 +22,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from router.tool_parsers.base import json_schema_format, openai_call_id, tool_functions
+from router.tool_parsers.base import json_schema_format, tool_functions
 from router.tool_parsers.scanning import (
     Event,
     JsonSpan,
@@ -125,11 +125,7 @@ class Llama3JsonScanner(Scanner):
 class Llama3JsonParser(ScannedParser):
     name = "llama3_json"
 
-    def scanner(self, tool_names: frozenset[str]) -> Scanner:
-        return Llama3JsonScanner(tool_names)
-
-    def new_call_id(self) -> str:
-        return openai_call_id()
+    scanner_class = Llama3JsonScanner
 
     def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """Either the answer is calls, or it is text that cannot be mistaken for one::

@@ -138,11 +138,8 @@ class MistralScanner(Scanner):
 class MistralParser(ScannedParser):
     name = "mistral"
 
-    def scanner(self, tool_names: frozenset[str]) -> Scanner:
-        return MistralScanner(tool_names)
-
-    def new_call_id(self) -> str:
-        return mistral_call_id()
+    scanner_class = MistralScanner
+    new_call_id = staticmethod(mistral_call_id)
 
     def structural_tag(self, tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """Both layouts, so one tag serves every Mistral tokenizer version::

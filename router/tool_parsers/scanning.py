@@ -21,7 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.tool_parsers.base import ParsedOutput, StreamPiece, ToolCall, ToolCallDelta, ToolParser, ToolStreamer
+from router.tool_parsers.base import (
+    ParsedOutput,
+    StreamPiece,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    ToolStreamer,
+    openai_call_id,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +42,11 @@ Event = str | FoundCall
 
 
 class Scanner(ABC):
-    """Cuts one answer into content and calls; a fresh one per answer."""
+    """Cuts one answer into content and calls; a fresh one per answer, made with the request's
+    tool names (a call naming another is content)."""
+
+    @abstractmethod
+    def __init__(self, tool_names: frozenset[str]) -> None: ...
 
     @abstractmethod
     def feed(self, text: str) -> list[Event]:
@@ -81,14 +93,11 @@ class ScannedStreamer(ToolStreamer):
 class ScannedParser(ToolParser):
     """A parser whose format is a ``Scanner``; parse and stream share it."""
 
-    @abstractmethod
-    def scanner(self, tool_names: frozenset[str]) -> Scanner: ...
-
-    @abstractmethod
-    def new_call_id(self) -> str: ...
+    scanner_class: type[Scanner]  # one per answer, given the request's tool names
+    new_call_id: Callable[[], str] = staticmethod(openai_call_id)
 
     def streamer(self, tool_names: frozenset[str]) -> ToolStreamer:
-        return ScannedStreamer(self.scanner(tool_names), self.new_call_id)
+        return ScannedStreamer(self.scanner_class(tool_names), self.new_call_id)
 
     def parse(self, text: str, tool_names: frozenset[str]) -> ParsedOutput:
         streamer = self.streamer(tool_names)
