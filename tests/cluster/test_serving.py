@@ -10,6 +10,7 @@ or the router killed mid-request, and a burst past every queue.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import json
@@ -20,8 +21,9 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -354,6 +356,17 @@ def check_choices_and_prompt_logprobs(cluster: LocalCluster, tokenizer, hf_smol,
 def test_disaggregated_choices_and_prompt_logprobs_as_a_vllm_client_asks_them(cluster, tokenizer, hf_smol, expected):
     cluster.ensure(**TCP_TRACED)  # prefill TP=3, chunks of 16: the prompt is scored over steps and shards
     check_choices_and_prompt_logprobs(cluster, tokenizer, hf_smol, expected, "decode")
+
+
+def test_disaggregated_structured_outputs_and_tool_calls(cluster):
+    cluster.ensure(**TCP_TRACED)  # the prefill replica samples the first token, decode resumes its matcher
+    check_structured_outputs_and_tools(cluster, "hermes")
+    # The request's span names the constraint's kind and the tool choice, never the schema.
+    spans = [json.loads(line) for line in TRACE_FILE.read_text().splitlines()]
+    kinds = {s["attributes"].get("pdserve.constraint.kind") for s in spans} - {None}
+    assert {"json", "json_object", "regex", "choice", "grammar"} <= kinds
+    assert {"required", "function"} <= {s["attributes"].get("pdserve.tool_choice") for s in spans}
+    assert '"languages"' not in TRACE_FILE.read_text() and "maxLength" not in TRACE_FILE.read_text()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc", "torch", "shm"])  # tcp: as the tests above, shm: below
@@ -759,6 +772,11 @@ def test_colocated_greedy_matches_transformers(cluster, expected):
 def test_colocated_choices_and_prompt_logprobs_as_a_vllm_client_asks_them(cluster, tokenizer, hf_smol, expected):
     cluster.ensure(**COLOCATED)  # two replicas: a prompt's later choices find the one holding its blocks
     check_choices_and_prompt_logprobs(cluster, tokenizer, hf_smol, expected, "colocated")
+
+
+def test_colocated_structured_outputs_and_tool_calls(cluster):
+    cluster.ensure(**COLOCATED)
+    check_structured_outputs_and_tools(cluster, "llama3_json")
 
 
 def test_cache_aware_placement_sends_a_shared_prefix_to_the_replica_holding_it_though_it_is_busier(cluster, tokenizer):
@@ -1204,79 +1222,98 @@ def streamed_tool_calls(stream) -> tuple[str, list[dict], str | None]:
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+def _all_at_once(*checks: Callable[[], None]) -> None:
+    """Independent requests sent together (the replicas batch them); a failed check fails the test."""
+    with concurrent.futures.ThreadPoolExecutor(len(checks)) as pool:
+        for done in [pool.submit(check) for check in checks]:
+            done.result()
+
+
 def check_structured_outputs_and_tools(cluster: LocalCluster, parser: str) -> None:
-    """A json_schema answer validates, greedy and sampled, streamed and not; a regex, a choice and a
-    grammar hold; tool_choice required and named always give a call that validates, streamed as
-    the same call; a full round trip (call, tool message, answer) goes through the openai client;
-    bad constraints are 400s that name their field; nothing is left held."""
+    """A json_schema answer validates, greedy and sampled, streamed and not; json_object, a regex, a
+    choice and a grammar hold; tool_choice required and named always give a call that validates,
+    streamed as the same call; auto reads what the model writes; a full round trip (call, tool
+    message, answer) goes through the openai client; bad constraints are 400s that name their
+    field; nothing is left held; the replicas count compiles, cache hits and masked tokens."""
     import jsonschema
 
     api = client(cluster)
     ask = [{"role": "user", "content": "Describe a person as JSON: name, age, languages."}]
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    for temperature, seed in ((0.0, None), (1.0, 5), (1.0, 6)):
-        answer = api.chat.completions.create(
-            model=MODEL, messages=ask, response_format=schema_format, max_tokens=120, temperature=temperature, seed=seed
-        )
-        assert answer.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
-        streamed = api.chat.completions.create(
-            model=MODEL,
-            messages=ask,
-            response_format=schema_format,
-            max_tokens=120,
-            temperature=temperature,
-            seed=seed,
-            stream=True,
-        )
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-        if temperature == 0.0:
-            assert text == answer.choices[0].message.content
-        jsonschema.validate(json.loads(text), PERSON)
-    paris = [{"role": "user", "content": "Give a JSON object with the keys city and country for Paris."}]
-    plain = api.chat.completions.create(
-        model=MODEL, messages=paris, response_format={"type": "json_object"}, max_tokens=60, temperature=0
-    )
-    assert plain.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+    greedy: dict[bool, str] = {}
 
-    phone = api.completions.create(
-        model=MODEL,
-        prompt="My phone number is",
-        max_tokens=20,
-        temperature=0.8,
-        seed=3,
-        extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
+    def person(temperature: float, seed: int | None, stream: bool) -> Callable[[], None]:
+        def check() -> None:
+            params = dict(model=MODEL, messages=ask, response_format=schema_format, max_tokens=120)
+            params.update(temperature=temperature, seed=seed)
+            if stream:
+                chunks = api.chat.completions.create(**params, stream=True)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                answer = api.chat.completions.create(**params).choices[0]
+                assert answer.finish_reason == "stop"
+                text = answer.message.content
+            jsonschema.validate(json.loads(text), PERSON)
+            if temperature == 0.0:
+                greedy[stream] = text
+
+        return check
+
+    def json_object() -> None:
+        paris = [{"role": "user", "content": "Give a JSON object with the keys city and country for Paris."}]
+        answer = api.chat.completions.create(
+            model=MODEL, messages=paris, response_format={"type": "json_object"}, max_tokens=60, temperature=0
+        ).choices[0]
+        assert answer.finish_reason == "stop" and isinstance(json.loads(answer.message.content), dict)
+
+    def regex() -> None:
+        pattern = r"\(\d{3}\) \d{3}-\d{4}"
+        phone = api.completions.create(
+            model=MODEL,
+            prompt="My phone number is",
+            max_tokens=20,
+            temperature=0.8,
+            seed=3,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        )
+        assert re.fullmatch(pattern, phone.choices[0].text)
+
+    def choice() -> None:
+        mood = api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Happy or sad?"}],
+            max_tokens=5,
+            extra_body={"guided_choice": ["happy", "sad", "neither"]},
+        )
+        assert mood.choices[0].message.content in ("happy", "sad", "neither")
+
+    def grammar() -> None:
+        counted = api.completions.create(
+            model=MODEL,
+            prompt="Count:",
+            max_tokens=30,
+            extra_body={"structured_outputs": {"grammar": 'root ::= "one, " item ", " item\nitem ::= "two" | "three"'}},
+        )
+        assert re.fullmatch(r"one, (two|three), (two|three)", counted.choices[0].text)
+
+    _all_at_once(
+        *(person(t, seed, stream) for t, seed in ((0.0, None), (1.0, 5), (1.0, 6)) for stream in (False, True)),
+        json_object,
+        regex,
+        choice,
+        grammar,
     )
-    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.choices[0].text)
-    mood = api.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Happy or sad?"}],
-        max_tokens=5,
-        extra_body={"guided_choice": ["happy", "sad", "neither"]},
-    )
-    assert mood.choices[0].message.content in ("happy", "sad", "neither")
-    counted = api.completions.create(
-        model=MODEL,
-        prompt="Count:",
-        max_tokens=30,
-        extra_body={"structured_outputs": {"grammar": 'root ::= "one, " item ", " item\nitem ::= "two" | "three"'}},
-    )
-    assert re.fullmatch(r"one, (two|three), (two|three)", counted.choices[0].text)
+    assert greedy[True] == greedy[False]
 
     weather_args = WEATHER["function"]["parameters"]
     question = [{"role": "user", "content": "What is the weather in Lisbon?"}]
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        for stream in (False, True):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def forced(tool_choice: str | dict, stream: bool) -> Callable[[], None]:
+        def check() -> None:
             # One call at most: a sampled list of calls may run past max_tokens (then it is content).
-            params = dict(
-                model=MODEL,
-                messages=question,
-                tools=[WEATHER, TIME],
-                tool_choice=choice,
-                parallel_tool_calls=False,
-                max_tokens=80,
-            )
+            params = dict(model=MODEL, messages=question, tools=[WEATHER, TIME], tool_choice=tool_choice)
+            params.update(parallel_tool_calls=False, max_tokens=80)
             if stream:
                 content, calls, finish = streamed_tool_calls(api.chat.completions.create(**params, stream=True))
             else:
@@ -1288,57 +1325,64 @@ def check_structured_outputs_and_tools(cluster: LocalCluster, parser: str) -> No
                     for c in message.message.tool_calls
                 ]
             assert not content and calls and all(call["id"] for call in calls)
-            assert finish == ("tool_calls" if choice == "required" else "stop")
+            assert finish == ("tool_calls" if tool_choice == "required" else "stop")
             for call in calls:
                 assert call["name"] in ("get_weather", "get_time")
                 if call["name"] == "get_weather":
                     jsonschema.validate(json.loads(call["arguments"]), weather_args)
-            if choice != "required":
+            if tool_choice != "required":
                 assert [call["name"] for call in calls] == ["get_weather"]
 
-    # tool_choice auto: hermes (the default model's template shows no tools, so the router shows
-    # them the Hermes way) answers this in text; as Llama 3's JSON, the model starts an object, and
-    # the structural tag makes it a call to a tool with arguments that validate.
-    auto = dict(model=MODEL, tools=[WEATHER], max_tokens=60, temperature=0)
-    if parser == "hermes":
-        message = api.chat.completions.create(messages=question, **auto).choices[0]
-        assert (
-            message.finish_reason in ("stop", "length") and message.message.content and not message.message.tool_calls
-        )
-    else:
+        return check
+
+    def auto() -> None:
+        # hermes (the default model's template shows no tools, so the router shows them the Hermes
+        # way): this question is answered in text; read as Llama 3's JSON, the model starts an
+        # object, and the structural tag makes it a call with arguments that validate.
+        params = dict(model=MODEL, tools=[WEATHER], max_tokens=60, temperature=0)
+        if parser == "hermes":
+            message = api.chat.completions.create(messages=question, **params).choices[0]
+            assert message.finish_reason in ("stop", "length") and message.message.content
+            assert not message.message.tool_calls
+            return
         asked = [
             {"role": "system", "content": "Reply in JSON only."},  # its first token: "{" by 0.5 nats over "```"
             {"role": "user", "content": "Give a JSON object with the keys city and country for Paris."},
         ]
-        message = api.chat.completions.create(messages=asked, **auto).choices[0]
+        message = api.chat.completions.create(messages=asked, **params).choices[0]
         assert message.finish_reason == "tool_calls" and not message.message.content, message
         (call,) = message.message.tool_calls
         assert call.function.name == "get_weather" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), weather_args)
-        _, streamed, finish = streamed_tool_calls(api.chat.completions.create(messages=asked, **auto, stream=True))
+        _, streamed, finish = streamed_tool_calls(api.chat.completions.create(messages=asked, **params, stream=True))
         assert finish == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
             ("get_weather", json.loads(call.function.arguments))
         ]
 
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    first = api.chat.completions.create(
-        model=MODEL, messages=question, tools=[WEATHER], tool_choice=named, max_tokens=80, temperature=0
+    calls_greedy: dict[bool, Any] = {}
+
+    def named_greedy(stream: bool) -> Callable[[], None]:
+        def check() -> None:
+            params = dict(model=MODEL, messages=question, tools=[WEATHER], tool_choice=named, max_tokens=80)
+            if stream:
+                _, calls, _ = streamed_tool_calls(api.chat.completions.create(**params, temperature=0, stream=True))
+                calls_greedy[True] = [(c["name"], c["arguments"]) for c in calls]
+            else:
+                calls_greedy[False] = api.chat.completions.create(**params, temperature=0).choices[0].message
+
+        return check
+
+    _all_at_once(
+        *(forced(tool_choice, stream) for tool_choice in ("required", named) for stream in (False, True)),
+        auto,
+        named_greedy(False),
+        named_greedy(True),
     )
-    call = first.choices[0].message.tool_calls[0]
-    _, streamed_calls, _ = streamed_tool_calls(
-        api.chat.completions.create(
-            model=MODEL,
-            messages=question,
-            tools=[WEATHER],
-            tool_choice=named,
-            max_tokens=80,
-            temperature=0,
-            stream=True,
-        )
-    )
-    assert [(c["name"], c["arguments"]) for c in streamed_calls] == [(call.function.name, call.function.arguments)]
-    history = [*question, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
+    first = calls_greedy[False]
+    call = first.tool_calls[0]
+    assert calls_greedy[True] == [(call.function.name, call.function.arguments)]
+    history = [*question, first, {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
     final = api.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=30, temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert final.choices[0].message.content or final.choices[0].message.tool_calls
@@ -1380,22 +1424,6 @@ def _nested(depth: int) -> dict:
     for _ in range(depth):
         schema = {"type": "object", "properties": {"a": schema}}
     return schema
-
-
-def test_disaggregated_structured_outputs_and_tool_calls(cluster):
-    cluster.ensure(**TCP_TRACED)  # the prefill replica samples the first token, decode resumes its matcher
-    check_structured_outputs_and_tools(cluster, "hermes")
-    # The request's span names the constraint's kind and the tool choice, never the schema.
-    spans = [json.loads(line) for line in TRACE_FILE.read_text().splitlines()]
-    kinds = {s["attributes"].get("pdserve.constraint.kind") for s in spans} - {None}
-    assert {"json", "json_object", "regex", "choice", "grammar"} <= kinds
-    assert {"required", "function"} <= {s["attributes"].get("pdserve.tool_choice") for s in spans}
-    assert '"languages"' not in TRACE_FILE.read_text() and "maxLength" not in TRACE_FILE.read_text()
-
-
-def test_colocated_structured_outputs_and_tool_calls(cluster):
-    cluster.ensure(**COLOCATED)
-    check_structured_outputs_and_tools(cluster, "llama3_json")
 
 
 def test_a_random_weight_model_s_answers_hold_to_their_schema_served_disaggregated(cluster, tiny_dir):

@@ -127,9 +127,9 @@ def test_the_next_step_is_queued_before_the_current_ones_ids_are_read(engines, m
         events.append(f"emit:{request.num_output_tokens}")
         return real_emit(request)
 
-    def launch(logits, rows):
+    def launch(logits, rows, mask=None):
         events.append("launch")
-        return real_launch(logits, rows)
+        return real_launch(logits, rows, mask)
 
     monkeypatch.setattr(PendingSample, "read", read)
     monkeypatch.setattr(engine, "_emit_new_tokens", emit)

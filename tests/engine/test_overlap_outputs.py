@@ -138,9 +138,9 @@ def test_the_last_steps_outputs_are_made_while_the_next_step_is_in_flight(engine
 
     real_launch = engine.sampler.launch
 
-    def launch(logits, rows):
+    def launch(logits, rows, mask=None):
         events.append("launch")
-        return real_launch(logits, rows)
+        return real_launch(logits, rows, mask)
 
     monkeypatch.setattr(PendingSample, "read", read)
     monkeypatch.setattr(engine, "_emit_new_tokens", emit)
