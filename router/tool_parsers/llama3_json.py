@@ -27,7 +27,7 @@ from router.tool_parsers.scanning import (
     Event,
     JsonSpan,
     ScannedParser,
-    Scanner,
+    StepScanner,
     call_from_object,
     loads,
 )
@@ -44,19 +44,12 @@ class _State(Enum):
     TEXT = "text"  # the rest of the answer is content
 
 
-class Llama3JsonScanner(Scanner):
+class Llama3JsonScanner(StepScanner):
     def __init__(self, tool_names: frozenset[str]) -> None:
         self._tool_names = tool_names
         self._buffer = ""  # unsettled text; in OBJECT it is the text before the object, then the object
         self._state = _State.START
         self._span: JsonSpan | None = None
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[Event]:
         events: list[Event] = []

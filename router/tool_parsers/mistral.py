@@ -26,7 +26,7 @@ from router.tool_parsers.scanning import (
     Event,
     JsonSpan,
     ScannedParser,
-    Scanner,
+    StepScanner,
     call_from_object,
     loads,
     partial_marker_len,
@@ -45,20 +45,13 @@ class _State(Enum):
     ARGS = "args"  # inside the arguments object of the new layout
 
 
-class MistralScanner(Scanner):
+class MistralScanner(StepScanner):
     def __init__(self, tool_names: frozenset[str]) -> None:
         self._tool_names = tool_names
         self._buffer = ""  # unsettled text; after TOOL_CALLS it is the text since the marker
         self._state = _State.TEXT
         self._span: JsonSpan | None = None
         self._name = ""
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[Event]:
         # Whatever is still open was not a whole call: it stays content as written.

@@ -57,6 +57,24 @@ class Scanner(ABC):
         """The answer ended: settles everything still held."""
 
 
+class StepScanner(Scanner):
+    """A scanner that settles its buffer step by step: ``feed`` appends the text, then steps until
+    a step changes nothing."""
+
+    _buffer: str
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        events: list[Event] = []
+        while self._step(events):
+            pass
+        return events
+
+    @abstractmethod
+    def _step(self, events: list[Event]) -> bool:
+        """Settles what it can into ``events``; True when another step may settle more."""
+
+
 class ScannedStreamer(ToolStreamer):
     def __init__(self, scanner: Scanner, new_id: Callable[[], str]) -> None:
         self._scanner = scanner
